@@ -1,0 +1,70 @@
+"""fusedmoe: fused Mixture-of-Experts inference layers for PyTorch + Triton.
+
+Public API: ``route``, ``fused_moe``, ``FusedMoE``, ``WorkspaceManager``, ``QuantConfig``, ``quantize_weights``,
+``MoEKernel`` and its parts. See README.md and docs/architecture.md.
+"""
+
+from .api import BACKENDS, fused_moe, get_kernel, resolve_backend
+from .experts import Experts, ExpertsInputs, TorchExperts
+from .kernel import MoEKernel
+from .layer import FusedMoE
+from .prepare_finalize import LocalPrepareFinalize, PrepareFinalize
+from .problem import Layout, MoEProblem
+from .quant import QuantConfig
+from .routing import route
+from .workspace import (
+    STRATEGIES,
+    BufferSpec,
+    Phase,
+    Workspace,
+    WorkspaceError,
+    WorkspaceFrozenError,
+    WorkspaceManager,
+    WorkspacePlan,
+    WorkspaceStats,
+)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # quantize_weights lives with the fp8 kernels' helpers; imported lazily to keep `import fusedmoe` light.
+    if name == "quantize_weights":
+        from .quant import quantize_weights
+
+        return quantize_weights
+    if name == "TritonExperts":
+        from .experts.triton_experts import TritonExperts
+
+        return TritonExperts
+    raise AttributeError(f"module 'fusedmoe' has no attribute {name!r}")
+
+
+__all__ = [
+    "BACKENDS",
+    "STRATEGIES",
+    "BufferSpec",
+    "Experts",
+    "ExpertsInputs",
+    "FusedMoE",
+    "Layout",
+    "LocalPrepareFinalize",
+    "MoEKernel",
+    "MoEProblem",
+    "Phase",
+    "PrepareFinalize",
+    "QuantConfig",
+    "TorchExperts",
+    "TritonExperts",
+    "Workspace",
+    "WorkspaceError",
+    "WorkspaceFrozenError",
+    "WorkspaceManager",
+    "WorkspacePlan",
+    "WorkspaceStats",
+    "fused_moe",
+    "get_kernel",
+    "quantize_weights",
+    "resolve_backend",
+    "route",
+]

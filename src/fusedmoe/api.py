@@ -1,0 +1,158 @@
+"""The functional entry point ``fused_moe`` and backend selection."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .checks import check_fused_moe_args
+from .experts.base import Experts, ExpertsInputs
+from .experts.torch_experts import TorchExperts
+from .kernel import MoEKernel
+from .prepare_finalize.local import LocalPrepareFinalize
+from .problem import MoEProblem
+from .workspace.manager import WorkspaceManager, default_manager
+
+BACKENDS = ("auto", "torch", "triton")
+
+_KERNELS: dict[str, MoEKernel] = {}
+
+
+def triton_available() -> bool:
+    """True if the Triton experts can run here (a CUDA device, or the CPU interpreter is switched on)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _make_experts(name: str) -> Experts:
+    if name == "torch":
+        return TorchExperts()
+    from .experts.triton_experts import TritonExperts
+
+    return TritonExperts()
+
+
+def get_kernel(backend: str) -> MoEKernel:
+    """The standard-layout, single-rank kernel of a backend ("torch" or "triton"), built once."""
+    kernel = _KERNELS.get(backend)
+    if kernel is None:
+        kernel = _KERNELS[backend] = MoEKernel(LocalPrepareFinalize(), _make_experts(backend))
+    return kernel
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` picks Triton on CUDA devices and the torch experts elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+def _manager_for(workspace: WorkspaceManager | None, device: torch.device) -> WorkspaceManager:
+    if workspace is None:
+        return default_manager(device)
+    if not isinstance(workspace, WorkspaceManager):
+        raise TypeError(f"workspace must be a WorkspaceManager or None, got {type(workspace).__name__}")
+    if workspace.device != device:
+        raise ValueError(f"workspace manager is for {workspace.device} but hidden_states is on {device}")
+    return workspace
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+    quant=None,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    workspace: WorkspaceManager | None = None,
+    workspace13: torch.Tensor | None = None,
+    workspace2: torch.Tensor | None = None,
+    backend: str = "auto",
+    checks: str | None = None,
+) -> torch.Tensor:
+    """Apply a Mixture-of-Experts layer to routed tokens.
+
+    Args:
+        hidden_states: [M, H] float32 / float16 / bfloat16.
+        w1: [E, 2I, H] gate rows then up rows (fp8 e4m3 with ``quant``). w2: [E, H, I].
+        topk_weights: [M, k] float routing weights. topk_ids: [M, k] int32/int64 global expert ids.
+        activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+        apply_router_weight_on_input: multiply the input rows by the routing weight instead of the outputs.
+        expert_map: int32 [global_num_experts], global id -> local id or -1 (not on this rank: contributes 0).
+        global_num_experts: size of the global id space (default: len(expert_map) or E).
+        quant: None or a fp8 QuantConfig / mode name ("fp8_tensor", "fp8_tensor_static", "fp8_token",
+            "fp8_block"), with the matching ``w*_scale`` / ``a*_scale`` tensors (see fusedmoe.quant).
+        workspace: the WorkspaceManager to take scratch from (default: the device's shared manager).
+        workspace13, workspace2: caller-owned scratch instead of a manager: contiguous tensors of
+            hidden_states' dtype (any shape, used as flat storage) or uint8. See docs/architecture.md.
+        backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
+        checks: "full" also validates tensor values (one host sync); default from env FUSEDMOE_CHECKS.
+
+    Returns:
+        A new tensor [M, H] in hidden_states' dtype (never a view of the workspace).
+    """
+    p = check_fused_moe_args(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=global_num_experts,
+        quant=quant,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        checks=checks,
+    )
+    x = ExpertsInputs(
+        hidden_states=hidden_states,
+        w1=w1,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        expert_map=expert_map,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+    )
+    return run_problem(x, p, backend=backend, workspace=workspace, workspace13=workspace13, workspace2=workspace2)
+
+
+def run_problem(
+    x: ExpertsInputs,
+    p: MoEProblem,
+    *,
+    backend: str = "auto",
+    workspace: WorkspaceManager | None = None,
+    workspace13: torch.Tensor | None = None,
+    workspace2: torch.Tensor | None = None,
+    owner: object = None,
+) -> torch.Tensor:
+    """Run a validated problem through the chosen backend's kernel (used by fused_moe and FusedMoE)."""
+    device = x.hidden_states.device
+    kernel = get_kernel(resolve_backend(backend, device))
+    reason = kernel.experts.supports(p)
+    if reason is not None:
+        raise ValueError(f"backend {kernel.experts.name!r} cannot run this problem: {reason}")
+    manager = _manager_for(workspace, device)
+    return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)

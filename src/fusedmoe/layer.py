@@ -1,0 +1,203 @@
+"""FusedMoE: an nn.Module owning expert weights, the router and routing settings, run by a MoEKernel."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .api import get_kernel, resolve_backend, run_problem
+from .checks import check_activation, positive_int
+from .experts.base import ExpertsInputs
+from .problem import MoEProblem
+from .reference import activation_reference
+from .routing import route
+from .workspace.manager import WorkspaceManager, default_manager
+from .workspace.plan import WorkspacePlan
+
+
+_LAYER_IDS = itertools.count()
+
+
+class FusedMoE(nn.Module):
+    """A Mixture-of-Experts block: router, routed experts and optional shared experts.
+
+    Parameters (``dtype``/``device`` as given):
+        w1: [E, 2I, H] gate rows then up rows. w2: [E, H, I]. gate: [E, H] router weight.
+        e_score_correction_bias: [E] buffer, only with ``correction_bias=True`` (DeepSeek-V3 style).
+        shared_w1: [2 * S * Is, H], shared_w2: [H, S * Is] for ``num_shared_experts`` S of size Is
+        (``shared_intermediate_size``, default ``intermediate_size``), run as one dense gated MLP; with
+        ``shared_expert_gate=True`` its output is scaled by sigmoid(x @ shared_gate.T) (Qwen2-MoE).
+
+    ``forward(hidden_states [..., H], router_logits=None)`` routes (computing logits with ``gate`` when none
+    are given), runs the experts through ``fused_moe``'s kernel and adds the shared experts.
+    ``workspace`` is the WorkspaceManager to draw scratch from (default: the device's shared manager); all
+    layers of a model should share one.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        scoring: str = "softmax",
+        renormalize: bool = True,
+        num_expert_groups: int | None = None,
+        topk_groups: int | None = None,
+        correction_bias: bool = False,
+        routed_scaling_factor: float = 1.0,
+        activation: str = "silu",
+        apply_router_weight_on_input: bool = False,
+        num_shared_experts: int = 0,
+        shared_intermediate_size: int | None = None,
+        shared_expert_gate: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        workspace: WorkspaceManager | None = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        E = positive_int("num_experts", num_experts)
+        k = positive_int("top_k", top_k)
+        if k > E:
+            raise ValueError(f"top_k must be <= num_experts={E}, got {k}")
+        H = positive_int("hidden_size", hidden_size)
+        I = positive_int("intermediate_size", intermediate_size)
+        if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+        check_activation(activation)
+        if workspace is not None and not isinstance(workspace, WorkspaceManager):
+            raise TypeError(f"workspace must be a WorkspaceManager or None, got {type(workspace).__name__}")
+        self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = E, k, H, I
+        self.routing = dict(
+            scoring=scoring,
+            renormalize=renormalize,
+            num_expert_groups=num_expert_groups,
+            topk_groups=topk_groups,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+        # Validate routing settings once, on an empty batch (no data, no sync).
+        route(torch.empty(0, E), k, **self.routing)
+        self.activation = activation
+        self.apply_router_weight_on_input = bool(apply_router_weight_on_input)
+        self.backend = backend
+        self.workspace = workspace
+        self.owner_key = f"FusedMoE#{next(_LAYER_IDS)}"  # per_layer arena key (no reference to self)
+        factory = {"dtype": dtype, "device": device}
+        self.w1 = nn.Parameter(torch.empty(E, 2 * I, H, **factory), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I, **factory), requires_grad=False)
+        self.gate = nn.Parameter(torch.empty(E, H, **factory), requires_grad=False)
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32, device=device))
+        else:
+            self.e_score_correction_bias = None
+        self.num_shared_experts = num_shared_experts
+        self.shared_intermediate_size = shared_intermediate_size or I
+        if num_shared_experts:
+            Is = num_shared_experts * self.shared_intermediate_size
+            self.shared_w1 = nn.Parameter(torch.empty(2 * Is, H, **factory), requires_grad=False)
+            self.shared_w2 = nn.Parameter(torch.empty(H, Is, **factory), requires_grad=False)
+            self.shared_gate = (
+                nn.Parameter(torch.empty(1, H, **factory), requires_grad=False) if shared_expert_gate else None
+            )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Random weights scaled so activations keep unit order of magnitude (for tests and benchmarks)."""
+        H, I = self.hidden_size, self.intermediate_size
+        with torch.no_grad():
+            for p, fan_in in ((self.w1, H), (self.w2, I), (self.gate, H)):
+                p.normal_(0.0, 1.0 / math.sqrt(fan_in))
+            if self.num_shared_experts:
+                self.shared_w1.normal_(0.0, 1.0 / math.sqrt(H))
+                self.shared_w2.normal_(0.0, 1.0 / math.sqrt(self.shared_w2.shape[1]))
+                if self.shared_gate is not None:
+                    self.shared_gate.normal_(0.0, 1.0 / math.sqrt(H))
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_size}, activation={self.activation}, "
+            f"shared={self.num_shared_experts}, scoring={self.routing['scoring']}"
+        )
+
+    # ---- workspace ---------------------------------------------------------------------------------------
+    @property
+    def manager(self) -> WorkspaceManager:
+        return self.workspace if self.workspace is not None else default_manager(self.w1.device)
+
+    def problem(self, num_tokens: int, dtype: torch.dtype | None = None) -> MoEProblem:
+        E = self.num_experts
+        return MoEProblem(
+            M=num_tokens,
+            H=self.hidden_size,
+            I=self.intermediate_size,
+            E=E,
+            global_E=E,
+            top_k=self.top_k,
+            dtype=dtype or self.w1.dtype,
+            weight_dtype=self.w1.dtype,
+            activation=self.activation,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+        )
+
+    def plan(self, num_tokens: int, dtype: torch.dtype | None = None) -> WorkspacePlan:
+        """The workspace plan of one forward over ``num_tokens`` tokens."""
+        backend = resolve_backend(self.backend, self.w1.device)
+        return get_kernel(backend).plan(self.problem(num_tokens, dtype))
+
+    def reserve_workspace(self, max_tokens: int) -> int:
+        """Size this layer's arena (its own with ``per_layer``, the shared one otherwise) for ``max_tokens``."""
+        return self.manager.reserve(self.plan(max_tokens), owner=self.owner_key)
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def route(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None):
+        """-> (topk_weights float32 [M, k], topk_ids int32 [M, k]) for flattened hidden_states [M, H]."""
+        if router_logits is None:
+            router_logits = F.linear(hidden_states, self.gate)
+        return route(
+            router_logits.reshape(-1, self.num_experts),
+            self.top_k,
+            correction_bias=self.e_score_correction_bias,
+            **self.routing,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must end in hidden_size={self.hidden_size}, got shape {list(hidden_states.shape)}"
+            )
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        if router_logits is not None and router_logits.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"router_logits must end in num_experts={self.num_experts}, got {list(router_logits.shape)}"
+            )
+        if router_logits is not None and router_logits.numel() // self.num_experts != x.shape[0]:
+            raise ValueError(f"router_logits must hold one row per token ({x.shape[0]}), got {list(router_logits.shape)}")
+        topk_weights, topk_ids = self.route(x, router_logits)
+        if x.dtype != self.w1.dtype:
+            raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")
+        if x.device != self.w1.device:
+            raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
+        p = self.problem(x.shape[0], x.dtype)
+        inputs = ExpertsInputs(x, self.w1, self.w2, topk_weights, topk_ids)
+        out = run_problem(inputs, p, backend=self.backend, workspace=self.workspace, owner=self.owner_key)
+        if self.num_shared_experts:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def shared_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense gated MLP of the shared experts, [M, H] -> [M, H]."""
+        h = activation_reference(F.linear(x, self.shared_w1), self.activation)
+        y = F.linear(h, self.shared_w2)
+        if self.shared_gate is not None:
+            y = torch.sigmoid(F.linear(x, self.shared_gate)) * y
+        return y

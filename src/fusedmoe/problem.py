@@ -1,0 +1,65 @@
+"""The static description of one MoE call, from which plans and kernel configs are derived."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from .quant import QuantConfig
+
+ACTIVATIONS = ("silu", "gelu")
+
+
+class Layout(Enum):
+    """How tokens are laid out between prepare and the experts."""
+
+    STANDARD = "standard"  # [M, H] rows plus topk_ids [M, k]
+    BATCHED = "batched"  # [E_local, max_tokens_per_expert, H] plus expert_num_tokens [E_local]
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    """Everything a plan or a kernel config may depend on; hashable, so plans are cached per problem.
+
+    Attributes:
+        M: tokens on this rank. H: hidden size. I: intermediate size per expert (w2.shape[2]).
+        E: experts held locally (w1.shape[0]). global_E: experts of the whole model (ids range over it).
+        top_k: experts per token. dtype: activation dtype (= hidden_states.dtype, = output dtype).
+        weight_dtype: w1/w2 dtype (fp8 when quantized).
+        activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+        apply_router_weight_on_input: scale the input rows instead of the expert outputs.
+        has_expert_map: an expert_map translates global ids to local ones (-1 = not on this rank).
+        quant: fp8 settings or None.
+        max_tokens_per_expert: batched layout only: rows per expert in the batched buffers.
+    """
+
+    M: int
+    H: int
+    I: int
+    E: int
+    global_E: int
+    top_k: int
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+    activation: str = "silu"
+    apply_router_weight_on_input: bool = False
+    has_expert_map: bool = False
+    quant: QuantConfig | None = None
+    max_tokens_per_expert: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Number of (token, expert) pairs: M * top_k."""
+        return self.M * self.top_k
+
+    def with_tokens(self, M: int) -> MoEProblem:
+        """The same problem with another token count (e.g. to reserve for the largest batch)."""
+        return dataclass_replace(self, M=M)
+
+
+def dataclass_replace(obj, **changes):
+    from dataclasses import replace
+
+    return replace(obj, **changes)

@@ -1,0 +1,176 @@
+"""fp8 (e4m3) w8a8 quantization settings and helpers.
+
+Three schemes, named as the CLI and ``QuantConfig.parse`` accept them:
+
+- ``fp8_tensor``: one scale per expert weight matrix (``w1_scale``/``w2_scale`` float32 [E]); activation scale
+  per tensor, static (``a1_scale``/``a2_scale`` float32 [1] given by the caller) or dynamic (computed per call).
+- ``fp8_token``: per-token activation scales x per-output-channel weight scales
+  (``w1_scale`` [E, 2I], ``w2_scale`` [E, H]; activation scales [rows, 1], always dynamic).
+- ``fp8_block``: 128x128 weight blocks (``w1_scale`` [E, ceil(2I/128), ceil(H/128)],
+  ``w2_scale`` [E, ceil(H/128), ceil(I/128)]) and per-token, per-128-column activation groups (DeepSeek-V3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+QUANT_MODES = ("fp8_tensor", "fp8_token", "fp8_block")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How weights and activations are quantized.
+
+    Attributes:
+        mode: one of ``QUANT_MODES``.
+        static_activation_scale: ``fp8_tensor`` only: the caller passes ``a1_scale`` and ``a2_scale``.
+        block_shape: ``fp8_block`` only: (block_n, block_k) of the weight scales (default 128x128).
+    """
+
+    mode: str
+    static_activation_scale: bool = False
+    block_shape: tuple[int, int] = (128, 128)
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANT_MODES:
+            raise ValueError(f"quant mode must be one of {QUANT_MODES}, got {self.mode!r}")
+        if self.static_activation_scale and self.mode != "fp8_tensor":
+            raise ValueError("static_activation_scale is only defined for quant mode 'fp8_tensor'")
+        object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
+
+    @classmethod
+    def parse(cls, spec: QuantConfig | str | None) -> QuantConfig | None:
+        """Accept a QuantConfig, a mode name (``"fp8_tensor_static"`` for static scales) or None."""
+        if spec is None or isinstance(spec, QuantConfig):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"quant must be a QuantConfig, a mode name or None, got {type(spec).__name__}")
+        if spec == "fp8_tensor_static":
+            return cls("fp8_tensor", static_activation_scale=True)
+        return cls(spec)
+
+    @property
+    def name(self) -> str:
+        return "fp8_tensor_static" if self.static_activation_scale else self.mode
+
+
+# ---- torch helpers (CPU-safe) ---------------------------------------------------------------------------------
+#: Floor of an amax before it becomes a scale, so an all-zero group gets a finite, non-zero scale.
+#: The Triton quantization kernels use the same constant and the same rule: scale = max(amax, MIN_AMAX) / FP8_MAX,
+#: q = clamp(x / scale, -FP8_MAX, FP8_MAX) rounded to nearest e4m3.
+MIN_AMAX = 1e-10
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale (broadcast), saturated to +-FP8_MAX, rounded to e4m3. Math in float32."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
+
+
+def _block_amax(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """amax of |w| over (bn x bk) tiles of the last two dims (edge tiles partial): [..., cdiv(N,bn), cdiv(K,bk)]."""
+    *lead, n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros((*lead, nb * bn, kb * bk), dtype=torch.float32, device=w.device)
+    padded[..., :n, :k] = w.float().abs()
+    return padded.view(*lead, nb, bn, kb, bk).amax(dim=(-3, -1))
+
+
+def _expand_blocks(scale: torch.Tensor, n: int, k: int, bn: int, bk: int) -> torch.Tensor:
+    """Broadcast per-tile scales [..., nb, kb] back to [..., n, k]."""
+    return scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+
+
+def quantize_weights(
+    w1: torch.Tensor, w2: torch.Tensor, quant: QuantConfig | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize expert weights to e4m3 with float32 scales for ``quant``'s mode.
+
+    Args:
+        w1: [E, 2I, H] float (bf16/fp16/fp32). w2: [E, H, I] float.
+        quant: a QuantConfig or mode name.
+
+    Returns:
+        (w1q, w2q, w1_scale, w2_scale): w1q/w2q e4m3 of the same shapes; scales float32 shaped per mode
+        (see the module docstring): fp8_tensor [E]; fp8_token [E, 2I] / [E, H]; fp8_block
+        [E, cdiv(2I,bn), cdiv(H,bk)] / [E, cdiv(H,bn), cdiv(I,bk)]. ``w ~= dequantize_weight(wq, scale)``.
+    """
+    quant = QuantConfig.parse(quant)
+    out = []
+    for w in (w1, w2):
+        if w.dim() != 3:
+            raise ValueError(f"expert weights must be 3-D [E, N, K], got shape {tuple(w.shape)}")
+        if quant.mode == "fp8_tensor":
+            scale = _scale_of(w.float().abs().amax(dim=(1, 2)))
+            wq = _to_fp8(w, scale[:, None, None])
+        elif quant.mode == "fp8_token":
+            scale = _scale_of(w.float().abs().amax(dim=2))
+            wq = _to_fp8(w, scale[:, :, None])
+        else:
+            bn, bk = quant.block_shape
+            scale = _scale_of(_block_amax(w, bn, bk))
+            wq = _to_fp8(w, _expand_blocks(scale, w.shape[1], w.shape[2], bn, bk))
+        out.append((wq, scale))
+    (w1q, s1), (w2q, s2) = out
+    return w1q, w2q, s1, s2
+
+
+def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, quant: QuantConfig | str) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights` for one weight: float32 tensor of ``wq``'s shape [E, N, K]."""
+    quant = QuantConfig.parse(quant)
+    w = wq.float()
+    scale = scale.float()
+    if quant.mode == "fp8_tensor":
+        return w * scale.reshape(-1, 1, 1)
+    if quant.mode == "fp8_token":
+        return w * scale[:, :, None]
+    bn, bk = quant.block_shape
+    return w * _expand_blocks(scale, w.shape[1], w.shape[2], bn, bk)
+
+
+def activation_scales(x: torch.Tensor, quant: QuantConfig | str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 activation scales our kernels use for x [rows, K].
+
+    fp8_tensor: [1] (``scale`` if given, else max(amax over all of x, MIN_AMAX) / 448); fp8_token: [rows, 1];
+    fp8_block: [rows, cdiv(K, block_k)] (one scale per row and group of block_k columns).
+    """
+    quant = QuantConfig.parse(quant)
+    xf = x.float()
+    if quant.mode == "fp8_tensor":
+        if scale is not None:
+            return scale.float().reshape(1)
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        return _scale_of(amax).reshape(1)
+    if scale is not None:
+        raise ValueError(f"a static activation scale is only defined for fp8_tensor, not {quant.mode}")
+    if quant.mode == "fp8_token":
+        if xf.shape[1] == 0:
+            return _scale_of(torch.zeros(xf.shape[0], 1, device=x.device))
+        return _scale_of(xf.abs().amax(dim=1, keepdim=True))
+    bk = quant.block_shape[1]
+    return _scale_of(_block_amax(xf[:, None, :], 1, bk)[:, 0, :])
+
+
+def fake_quantize_activation(
+    x: torch.Tensor, quant: QuantConfig | str, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantize x [rows, K] to e4m3 exactly as our kernels do, then dequantize.
+
+    Scales from :func:`activation_scales` (per-tensor dynamic: over all the rows given; pass only the valid
+    rows). Returns a tensor of x's shape and dtype.
+    """
+    quant = QuantConfig.parse(quant)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+    s = activation_scales(x, quant, scale)
+    if quant.mode == "fp8_block":
+        s = s.repeat_interleave(quant.block_shape[1], dim=1)[:, : x.shape[1]]
+    q = _to_fp8(x, s)
+    return (q.float() * s).to(x.dtype)

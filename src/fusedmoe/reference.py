@@ -1,0 +1,121 @@
+"""Reference MoE layer: a float64 loop over experts, written for clarity, not speed.
+
+Every kernel in fusedmoe is compared against :func:`fused_moe_reference` on random inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quant import QuantConfig
+
+
+def activation_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[rows, 2I] -> [rows, I]: silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU)."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if activation == "silu":
+        return gate * torch.sigmoid(gate) * up
+    if activation == "gelu":
+        c = math.sqrt(2.0 / math.pi)
+        return 0.5 * gate * (1.0 + torch.tanh(c * (gate + 0.044715 * gate**3))) * up
+    raise ValueError(f"activation must be 'silu' or 'gelu', got {activation!r}")
+
+
+def fused_moe_reference(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+    quant: QuantConfig | str | None = None,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE layer in float64: ``out[t] = sum_j w[t,j] * W2[e] act(W1[e] x[t])`` over local experts ``e``.
+
+    Same arguments as :func:`fusedmoe.fused_moe` minus the workspace ones. Slots whose id is outside
+    ``[0, global_num_experts)`` or maps to -1 in ``expert_map`` contribute nothing. With ``quant``, weights are
+    dequantized with their scales and activations go through the same fp8 rounding as the kernels
+    (:func:`fusedmoe.quant.fake_quantize_activation`), so the comparison isolates kernel error.
+
+    Returns:
+        float64 tensor [M, H] on hidden_states' device.
+    """
+    quant = QuantConfig.parse(quant)
+    M, H = hidden_states.shape
+    E = w1.shape[0]
+    global_E = global_num_experts if global_num_experts is not None else (
+        expert_map.shape[0] if expert_map is not None else E
+    )
+    x = hidden_states.to(torch.float64)
+    if quant is not None:
+        from .quant import dequantize_weight
+
+        w1f = dequantize_weight(w1, w1_scale, quant).to(torch.float64)
+        w2f = dequantize_weight(w2, w2_scale, quant).to(torch.float64)
+    else:
+        w1f, w2f = w1.to(torch.float64), w2.to(torch.float64)
+    ids = topk_ids.to(torch.int64)
+    valid = (ids >= 0) & (ids < global_E)
+    local = ids.clamp(0, max(global_E - 1, 0))
+    if expert_map is not None:
+        local = expert_map.to(torch.int64)[local]
+        valid &= local >= 0
+    else:
+        valid &= local < E
+    weights = topk_weights.to(torch.float64)
+
+    # Activation quantization is modelled as the kernels do it: the input once over all M tokens, GEMM1's
+    # output once over every local slot row (a per-tensor dynamic scale spans all experts).
+    if quant is not None:
+        x = _fake_quant(x, quant, a1_scale)
+    groups = []
+    for e in range(E):
+        tok, slot = torch.nonzero(valid & (local == e), as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        a = x[tok]
+        if apply_router_weight_on_input:
+            a = a * weights[tok, slot, None]
+        groups.append((e, tok, slot, activation_reference(a @ w1f[e].T, activation)))
+    if quant is not None and groups:
+        h_all = _fake_quant(torch.cat([g[3] for g in groups]), quant, a2_scale)
+        sizes = [g[3].shape[0] for g in groups]
+        groups = [(e, tok, slot, h) for (e, tok, slot, _), h in zip(groups, h_all.split(sizes))]
+
+    out = torch.zeros(M, H, dtype=torch.float64, device=hidden_states.device)
+    for e, tok, slot, h in groups:
+        y = h @ w2f[e].T
+        if not apply_router_weight_on_input:
+            y = y * weights[tok, slot, None]
+        out.index_add_(0, tok, y)
+    return out
+
+
+def _fake_quant(x: torch.Tensor, quant: QuantConfig, static_scale: torch.Tensor | None) -> torch.Tensor:
+    from .quant import fake_quantize_activation
+
+    scale = static_scale if quant.static_activation_scale else None
+    return fake_quantize_activation(x, quant, scale=scale).to(torch.float64)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref||_F / ||ref||_F in float64; NaN anywhere gives inf (never passes a tolerance)."""
+    out64, ref64 = out.to(torch.float64), ref.to(torch.float64)
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    if denom == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / denom

@@ -1,0 +1,415 @@
+"""The workspace manager: where the bytes of a :class:`~fusedmoe.workspace.plan.WorkspacePlan` come from.
+
+Strategies (one switch, same kernels, so the seeds' question is settled by measurement):
+
+- ``alloc_zeros``: a fresh ``torch.zeros`` arena per call (the modular kernel before vLLM #19667).
+- ``alloc_empty``: a fresh ``torch.empty`` arena per call (after #19667).
+- ``per_layer``: every owner (layer) keeps its own persistent, grow-only arena (the reusable-workspace PR).
+- ``shared`` (default): one persistent, grow-only arena per (device, slot), shared by every layer.
+
+Caller-provided tensors (``workspace13=`` / ``workspace2=``) bypass the manager: see :func:`caller_workspace`.
+
+Persistent arenas grow only when a plan needs more than they hold, rounded up to a power of two, so varying
+batch sizes cause O(log max M) growths; :meth:`WorkspaceManager.reserve` sizes them ahead of time exactly;
+:meth:`WorkspaceManager.freeze` forbids growth (CUDA graphs bake addresses in) and turns a too-large request
+into :class:`WorkspaceFrozenError` instead of a reallocation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .plan import ALIGNMENT, WorkspacePlan
+
+STRATEGIES = ("alloc_zeros", "alloc_empty", "per_layer", "shared")
+
+#: Smallest arena a growth allocates (bytes).
+MIN_BUCKET = 1 << 16
+
+#: Byte used to poison integer buffers (0x7F7F7F7F as int32: a large positive id; 0x7F as e4m3: NaN).
+POISON_BYTE = 0x7F
+
+
+class WorkspaceError(ValueError):
+    """A workspace request that cannot be served (bad caller buffer, wrong device, ...)."""
+
+
+class WorkspaceFrozenError(WorkspaceError):
+    """A frozen arena was asked to grow."""
+
+
+def bucket_bytes(nbytes: int) -> int:
+    """Capacity a growth allocates for a request of ``nbytes``: the next power of two, at least MIN_BUCKET."""
+    if nbytes <= MIN_BUCKET:
+        return MIN_BUCKET
+    return 1 << math.ceil(math.log2(nbytes))
+
+
+@dataclass
+class WorkspaceStats:
+    """Counters of one manager. ``reserved_bytes`` is what its persistent arenas hold right now."""
+
+    reserved_bytes: int = 0
+    peak_bytes: int = 0
+    device_allocations: int = 0
+    bytes_zeroed: int = 0
+    zero_fills: int = 0
+    poison_fills: int = 0
+    calls: int = 0
+    growths: int = 0
+    plan_bytes: dict[object, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        d = dict(self.__dict__)
+        d["plan_bytes"] = {str(k): v for k, v in self.plan_bytes.items()}
+        return d
+
+
+class Workspace:
+    """Typed views of one plan's buffers, valid until the next request to the same arena.
+
+    ``ws["name"]`` is a tensor of the buffer's shape and dtype. ``arena`` is the uint8 tensor behind them
+    (None when the plan is empty).
+    """
+
+    __slots__ = ("plan", "views", "arena")
+
+    def __init__(self, plan: WorkspacePlan, views: dict[str, torch.Tensor], arena: torch.Tensor | None):
+        self.plan = plan
+        self.views = views
+        self.arena = arena
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.views
+
+
+def _empty_view(spec, device) -> torch.Tensor:
+    return torch.empty(spec.shape, dtype=spec.dtype, device=device)
+
+
+def make_views(plan: WorkspacePlan, arena: torch.Tensor | None, placements=None) -> dict[str, torch.Tensor]:
+    """Carve typed views of ``plan``'s buffers out of a uint8 ``arena`` at their placement offsets."""
+    placements = plan.placements if placements is None else placements
+    views = {}
+    for spec in plan.buffers:
+        if spec.nbytes == 0 or arena is None:
+            views[spec.name] = _empty_view(spec, arena.device if arena is not None else "cpu")
+            continue
+        off = placements[spec.name].offset
+        views[spec.name] = arena[off : off + spec.nbytes].view(spec.dtype).view(spec.shape)
+    return views
+
+
+class _Arena:
+    """One persistent byte buffer plus a cache of views per plan (views are rebuilt only after a growth)."""
+
+    __slots__ = ("data", "views")
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.views: dict[int, tuple[WorkspacePlan, dict[str, torch.Tensor]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+class WorkspaceManager:
+    """Serves workspace plans from arenas according to a strategy; see the module docstring.
+
+    Args:
+        device: device of the arenas (default: the current CUDA device if CUDA is available, else CPU).
+        strategy: one of ``STRATEGIES``.
+        poison: fill every view with NaN (floats) or 0x7F bytes (integers) before handing it out, to prove
+            that no kernel reads memory it did not write.
+    """
+
+    def __init__(self, device: torch.device | str | None = None, *, strategy: str = "shared", poison: bool = False):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.strategy = strategy
+        self.poison = bool(poison)
+        self.frozen = False
+        self.stats = WorkspaceStats()
+        self._arenas: dict[object, _Arena] = {}
+        self._slot: contextvars.ContextVar[object | None] = contextvars.ContextVar(f"fusedmoe_slot_{id(self)}")
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkspaceManager(device={self.device}, strategy={self.strategy!r}, poison={self.poison}, "
+            f"frozen={self.frozen}, reserved={self.stats.reserved_bytes} B)"
+        )
+
+    # ---- slots -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def slot(self, name: object) -> Iterator[None]:
+        """Serve requests made inside this context from the arena of slot ``name``.
+
+        Work that may run concurrently (other CUDA streams, interleaved micro-batches) must use distinct slots.
+        Outside any ``slot`` context the slot is the current CUDA stream (or ``"default"`` on CPU).
+        """
+        token = self._slot.set(name)
+        try:
+            yield
+        finally:
+            self._slot.reset(token)
+
+    def current_slot(self) -> object:
+        name = self._slot.get(None)
+        if name is not None:
+            return name
+        if self.device.type == "cuda":
+            return ("stream", torch.cuda.current_stream(self.device).cuda_stream)
+        return "default"
+
+    def _key(self, owner: object, slot: object | None) -> object:
+        slot = self.current_slot() if slot is None else slot
+        return (owner, slot) if self.strategy == "per_layer" else slot
+
+    # ---- sizing ------------------------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """Forbid arena growth from now on; a request past the reserved size raises WorkspaceFrozenError."""
+        self.frozen = True
+
+    def unfreeze(self) -> None:
+        self.frozen = False
+
+    def reserve(self, *plans: WorkspacePlan | int, owner: object = None, slot: object = None) -> int:
+        """Size the arena that would serve ``owner`` in ``slot`` for the largest of ``plans`` (or byte counts).
+
+        Reservation is exact (no bucket rounding) and grow-only. Returns the arena's capacity in bytes
+        (0 for the per-call strategies, which keep nothing).
+        """
+        if self.strategy not in ("per_layer", "shared"):
+            return 0
+        need = max((p if isinstance(p, int) else p.nbytes for p in plans), default=0)
+        key = self._key(owner, slot)
+        arena = self._arenas.get(key)
+        if arena is None or arena.nbytes < need:
+            self._check_growth(need, arena)
+            self._replace(key, arena, need)
+        return self._arenas[key].nbytes if key in self._arenas else 0
+
+    def _check_growth(self, need: int, arena: _Arena | None) -> None:
+        if self.frozen:
+            have = arena.nbytes if arena is not None else 0
+            raise WorkspaceFrozenError(
+                f"workspace arena is frozen with {have} bytes but this call needs {need} bytes; "
+                "reserve() the largest problem before freeze() (e.g. before CUDA-graph capture)"
+            )
+
+    def _replace(self, key: object, old: _Arena | None, nbytes: int) -> _Arena:
+        if old is not None:
+            self.stats.reserved_bytes -= old.nbytes
+            del self._arenas[key]
+            del old
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        arena = _Arena(data)
+        self._arenas[key] = arena
+        self.stats.reserved_bytes += nbytes
+        self.stats.device_allocations += 1
+        return arena
+
+    def release(self) -> None:
+        """Drop every persistent arena (e.g. before resizing a model); not allowed while frozen."""
+        if self.frozen:
+            raise WorkspaceFrozenError("release() on a frozen workspace manager")
+        self._arenas.clear()
+        self.stats.reserved_bytes = 0
+
+    # ---- serving -----------------------------------------------------------------------------------------
+    def acquire(self, plan: WorkspacePlan, owner: object = None) -> Workspace:
+        """Views for every buffer of ``plan``, from the strategy's arena. Valid until the next acquire.
+
+        Zero-requiring buffers are zeroed (and counted); in poison mode every view is poisoned first.
+        """
+        self.stats.calls += 1
+        nbytes = plan.nbytes
+        if nbytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = nbytes
+        self.stats.plan_bytes[owner] = nbytes
+        if self.strategy in ("alloc_zeros", "alloc_empty"):
+            arena = None
+            if nbytes:
+                alloc = torch.zeros if self.strategy == "alloc_zeros" else torch.empty
+                arena = alloc(nbytes, dtype=torch.uint8, device=self.device)
+                self.stats.device_allocations += 1
+                if self.strategy == "alloc_zeros":
+                    self.stats.bytes_zeroed += nbytes
+                    self.stats.zero_fills += 1
+            views = make_views(plan, arena)
+        else:
+            key = self._key(owner, None)
+            held = self._arenas.get(key)
+            if held is None or held.nbytes < nbytes:
+                self._check_growth(nbytes, held)
+                held = self._replace(key, held, bucket_bytes(nbytes))
+                self.stats.growths += 1
+            cached = held.views.get(id(plan))
+            if cached is None or cached[0] is not plan:
+                cached = (plan, make_views(plan, held.data))
+                held.views[id(plan)] = cached
+            arena, views = held.data, cached[1]
+        ws = Workspace(plan, views, arena)
+        self.prepare_views(ws)
+        return ws
+
+    def prepare_views(self, ws: Workspace) -> None:
+        """Apply poison and the declared zero requirements to a workspace's views (in that order)."""
+        if self.poison:
+            poison_views(ws)
+            self.stats.poison_fills += 1
+        for spec in ws.plan.buffers:
+            if spec.zero is not None and spec.nbytes:
+                ws.views[spec.name].zero_()
+                self.stats.bytes_zeroed += spec.nbytes
+                self.stats.zero_fills += 1
+
+
+def poison_views(ws: Workspace) -> None:
+    """Fill every buffer with NaN (floating dtypes) or 0x7F bytes (integers, fp8: 0x7F is e4m3 NaN)."""
+    for spec in ws.plan.buffers:
+        if not spec.nbytes:
+            continue
+        view = ws.views[spec.name]
+        if spec.dtype.is_floating_point and spec.dtype.itemsize >= 2:
+            view.fill_(float("nan"))
+        else:
+            view.view(torch.uint8).fill_(POISON_BYTE)
+
+
+# ---- caller-provided workspaces ------------------------------------------------------------------------------
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) byte range of the memory a tensor can touch."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return (t.data_ptr(), t.data_ptr() + span * t.element_size())
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    a0, a1 = _extent(a)
+    b0, b1 = _extent(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_caller_tensor(name: str, t: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise WorkspaceError(f"{name} is on {t.device} but hidden_states is on {device}")
+    if t.dtype not in (dtype, torch.uint8):
+        raise TypeError(f"{name} must have dtype {dtype} (as hidden_states) or torch.uint8, got {t.dtype}")
+    if not t.is_contiguous():
+        raise WorkspaceError(f"{name} must be contiguous (it is used as flat storage)")
+    return t
+
+
+def _bytes_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Flat uint8 view of a contiguous tensor, advanced to a 16-byte boundary; returns (view, bytes skipped)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    skip = (-flat.data_ptr()) % 16 if flat.numel() else 0
+    return flat[skip:], skip
+
+
+def caller_workspace(
+    plan: WorkspacePlan,
+    workspace13: torch.Tensor | None,
+    workspace2: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    protected: dict[str, torch.Tensor],
+) -> Workspace:
+    """Lay ``plan`` out in caller-owned tensors, validating them first.
+
+    With both tensors, buffers of region "13" go to ``workspace13`` and those of region "2" to ``workspace2``
+    (each region laid out with lifetime aliasing on its own). With ``workspace13`` alone, the whole plan goes
+    there. Raises TypeError / WorkspaceError (a ValueError) naming the argument: wrong type, device or dtype,
+    non-contiguous, too small (with bytes needed and available), or overlapping an input (``protected``) or
+    each other. Nothing is written before every check passed.
+    """
+    if workspace13 is None:
+        raise WorkspaceError("workspace2 was given without workspace13; pass workspace13 alone or both")
+    given = {"workspace13": _check_caller_tensor("workspace13", workspace13, dtype, device)}
+    if workspace2 is not None:
+        given["workspace2"] = _check_caller_tensor("workspace2", workspace2, dtype, device)
+        if _overlaps(workspace13, workspace2):
+            raise WorkspaceError("workspace13 and workspace2 overlap in memory")
+    for wname, w in given.items():
+        for pname, p in protected.items():
+            if p is not None and _overlaps(w, p):
+                raise WorkspaceError(f"{wname} overlaps {pname}; a workspace must not alias inputs")
+
+    if workspace2 is None:
+        layouts = {"workspace13": (plan.placements, plan.nbytes, [b.name for b in plan.buffers])}
+    else:
+        layouts = {}
+        for wname, region in (("workspace13", "13"), ("workspace2", "2")):
+            placements, total = plan.region(region)
+            layouts[wname] = (placements, total, list(placements))
+    views: dict[str, torch.Tensor] = {}
+    checked = []
+    for wname, (placements, total, _names) in layouts.items():
+        flat, skip = _bytes_of(given[wname])
+        if flat.numel() < total:
+            raise WorkspaceError(
+                f"{wname} is too small: this call needs {total} bytes (+{skip} to reach 16-byte alignment), "
+                f"the tensor holds {given[wname].numel() * given[wname].element_size()} bytes"
+            )
+        checked.append((flat, placements))
+    for flat, placements in checked:
+        for name, p in placements.items():
+            spec = p.spec
+            if spec.nbytes == 0:
+                views[name] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            else:
+                views[name] = flat[p.offset : p.offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+    return Workspace(plan, views, None)
+
+
+_DEFAULT_MANAGERS: dict[torch.device, WorkspaceManager] = {}
+
+
+def default_manager(device: torch.device | str) -> WorkspaceManager:
+    """The process-wide ``shared`` manager of ``device``, used whenever ``workspace`` is None."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    mgr = _DEFAULT_MANAGERS.get(device)
+    if mgr is None:
+        mgr = _DEFAULT_MANAGERS[device] = WorkspaceManager(device, strategy="shared")
+    return mgr
+
+
+__all__ = [
+    "ALIGNMENT",
+    "STRATEGIES",
+    "Workspace",
+    "WorkspaceError",
+    "WorkspaceFrozenError",
+    "WorkspaceManager",
+    "WorkspaceStats",
+    "bucket_bytes",
+    "caller_workspace",
+    "default_manager",
+    "make_views",
+    "poison_views",
+]
