@@ -1,0 +1,1 @@
+"""Benchmarks behind ``fusedmoe bench``: kernel sweeps (GPU) and workspace-strategy comparisons."""

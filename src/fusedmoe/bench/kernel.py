@@ -1,0 +1,238 @@
+"""Kernel-level GPU benchmark: one MoE layer call (routing + fused call) per backend over a token sweep.
+
+Method (docs/architecture.md, DESIGN.md): ceilings measured at the start of the run; every time is the
+median over CUDA-graph replays of 10 captured calls, each with its own router logits, so small batches do not
+find their experts' weights in L2; eager wall and host time are measured too. Each row reports the time, its
+ratio to the floor (weights of the distinct experts touched over read bandwidth, or FLOPs over the measured
+bf16 rate, whichever is larger), the achieved TB/s and TFLOP/s, and the speed-up over each baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from ..api import fused_moe
+from ..routing import route
+from ..workspace.manager import WorkspaceManager
+from . import floors, report, timing
+from .baselines import grouped_mm_available, grouped_mm_moe
+
+DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+CALLS_PER_GRAPH = 10
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_experts: int  # global experts (routing is over these)
+    local_experts: int  # experts held on this GPU (an EP slice when smaller)
+    top_k: int
+    hidden: int
+    inter: int
+    routing: dict
+
+
+def shape_from_args(args: argparse.Namespace) -> Shape:
+    from ..presets import PRESETS
+
+    if args.preset:
+        if args.preset not in PRESETS:
+            raise SystemExit(f"unknown --preset {args.preset!r}; choose from {sorted(PRESETS)}")
+        p = PRESETS[args.preset]
+        local = getattr(p, "local_experts", None) or p.num_experts
+        routing = dict(getattr(p, "routing", {}) or {})
+        return Shape(p.name, p.num_experts, local, p.top_k, p.hidden_size, p.intermediate_size, routing)
+    if not (args.e and args.k and args.h and args.i):
+        p = PRESETS["qwen3-30b-a3b"]
+        return Shape(p.name, p.num_experts, p.num_experts, p.top_k, p.hidden_size, p.intermediate_size, {})
+    return Shape(f"E{args.e}k{args.k}H{args.h}I{args.i}", args.e, args.e, args.k, args.h, args.i, {})
+
+
+def _weights(shape: Shape, dtype: str, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    E, H, I = shape.local_experts, shape.hidden, shape.inter
+    w1 = torch.randn(E, 2 * I, H, device=device, dtype=torch.bfloat16, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16, generator=gen) / I**0.5
+    quantized = None
+    if dtype != "bf16":
+        from ..quant import QuantConfig, quantize_weights
+
+        quant = QuantConfig.parse(dtype)
+        w1q, w2q, s1, s2 = quantize_weights(w1, w2, quant)
+        quantized = dict(w1=w1q, w2=w2q, quant=quant, w1_scale=s1, w2_scale=s2)
+        if quant.static_activation_scale:
+            quantized["a1_scale"] = torch.full((1,), 4.0 / 448, device=device)
+            quantized["a2_scale"] = torch.full((1,), 4.0 / 448, device=device)
+    return w1, w2, quantized
+
+
+def _expert_map(shape: Shape, device):
+    if shape.local_experts == shape.num_experts:
+        return None
+    m = torch.full((shape.num_experts,), -1, dtype=torch.int32, device=device)
+    m[: shape.local_experts] = torch.arange(shape.local_experts, dtype=torch.int32, device=device)
+    return m
+
+
+def main(args: argparse.Namespace) -> int:
+    device = torch.device("cuda")
+    shape = shape_from_args(args)
+    tokens = args.tokens or DEFAULT_TOKENS
+    backends = (args.backends or "triton,grouped_mm,torch").split(",")
+    env = report.environment()
+    print(f"{env.get('gpu')} | torch {env['torch']} | triton {env.get('triton')} | commit {env.get('commit')}")
+    ceil = floors.measure_ceilings(device)
+    print(
+        f"ceilings: copy {ceil.copy_tb_s:.2f} TB/s (read+write), read {ceil.read_tb_s:.2f} TB/s, "
+        f"bf16 matmul {ceil.bf16_tflops:.0f} TFLOP/s"
+    )
+    w1, w2, quantized = _weights(shape, args.dtype, device)
+    expert_map = _expert_map(shape, device)
+    manager = WorkspaceManager(device, strategy="shared")
+    weight_bytes = 1 if quantized else 2
+    rows, results = [], []
+    for M in tokens:
+        gen = torch.Generator(device=device).manual_seed(M)
+        x = torch.randn(M, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+        logits = [
+            torch.randn(M, shape.num_experts, device=device, dtype=torch.float32, generator=gen)
+            for _ in range(CALLS_PER_GRAPH)
+        ]
+        routed = [route(lg, shape.top_k, **shape.routing) for lg in logits]
+        distinct = sum(_distinct_local(ids, expert_map) for _, ids in routed) / len(routed)
+        floor_us, bytes_moved, bound = floors.layer_floor_us(
+            distinct, M, shape.top_k, shape.hidden, shape.inter, weight_bytes, ceil, fp8=bool(quantized)
+        )
+        flops = 2 * M * shape.top_k * 3 * shape.hidden * shape.inter
+        times: dict[str, float] = {}
+        for backend in backends:
+            fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager)
+            if fn is None:
+                continue
+            calls = [(lambda lg=lg: fn(lg)) for lg in logits]
+            row = {"backend": backend, "M": M, "floor_us": floor_us, "bound": bound}
+            try:
+                if backend == "torch":
+                    row["us"], row["host_us"] = timing.eager_time_us(calls, repeats=2)
+                    row["mode"] = "eager"
+                else:
+                    row["us"] = timing.graph_time_us(calls)
+                    row["mode"] = "graph"
+                    if args.eager:
+                        row["eager_us"], row["host_us"] = timing.eager_time_us(calls, repeats=3)
+            except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
+                row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                results.append(row)
+                continue
+            row["pct_floor"] = 100.0 * floor_us / row["us"]
+            row["tb_s"] = bytes_moved / (row["us"] * 1e-6) / 1e12
+            row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
+            times[backend] = row["us"]
+            results.append(row)
+        for row in results:
+            if row["M"] == M and "us" in row:
+                for b, t in times.items():
+                    if b != row["backend"]:
+                        row[f"x_vs_{b}"] = t / row["us"]
+                rows.append(
+                    [row["backend"], M, row["us"], row.get("eager_us"), row["floor_us"], row["pct_floor"],
+                     row["tb_s"], row["tflops"]]
+                    + [row.get(f"x_vs_{b}") for b in backends]
+                )
+        torch.cuda.empty_cache()
+    title = f"{shape.name} {args.dtype}: routing + fused call, us per call (CUDA graph of {CALLS_PER_GRAPH})"
+    report.print_table(
+        title,
+        ["backend", "M", "us", "eager us", "floor us", "% floor", "TB/s", "TFLOP/s"] + [f"x vs {b}" for b in backends],
+        rows,
+    )
+    payload = {
+        "env": env,
+        "ceilings": ceil.as_dict(),
+        "shape": shape.__dict__,
+        "dtype": args.dtype,
+        "results": results,
+        "workspace": manager.stats.as_dict(),
+    }
+    if args.json:
+        report.save_json(args.json, payload)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(payload, args.plot)
+    return 0
+
+
+def _distinct_local(ids: torch.Tensor, expert_map) -> int:
+    flat = ids.reshape(-1).long()
+    if expert_map is not None:
+        flat = expert_map.long()[flat]
+        flat = flat[flat >= 0]
+    return int(torch.unique(flat).numel())
+
+
+def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager):
+    """A function of router logits that runs routing + one layer call on ``backend``; None if unavailable."""
+    routing = shape.routing
+    k = shape.top_k
+    if backend in ("triton", "torch"):
+        if backend == "torch" and quantized:
+            return None
+        kw = dict(expert_map=expert_map, global_num_experts=shape.num_experts, workspace=manager, backend=backend)
+        if quantized and backend == "triton":
+            kw.update({k_: v for k_, v in quantized.items() if k_ not in ("w1", "w2")})
+            ww1, ww2 = quantized["w1"], quantized["w2"]
+        else:
+            ww1, ww2 = w1, w2
+
+        def call(lg):
+            w, ids = route(lg, k, **routing)
+            return fused_moe(x, ww1, ww2, w, ids, **kw)
+
+        return call
+    if backend == "grouped_mm":
+        if not grouped_mm_available() or expert_map is not None:
+            return None
+
+        def call(lg):
+            w, ids = route(lg, k, **routing)
+            return grouped_mm_moe(x, w1, w2, w, ids)
+
+        return call
+    raise SystemExit(f"unknown backend {backend!r}")
+
+
+def plot(payload: dict, path: str) -> None:
+    """Time vs tokens per backend (log-log) with the floor line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_backend: dict[str, list[tuple[int, float]]] = {}
+    floor: dict[int, float] = {}
+    for r in payload["results"]:
+        if "us" in r:
+            by_backend.setdefault(r["backend"], []).append((r["M"], r["us"]))
+            floor[r["M"]] = r["floor_us"]
+    for b, pts in by_backend.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
+    fl = sorted(floor.items())
+    ax.plot([p[0] for p in fl], [p[1] for p in fl], "k--", label="floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (M)")
+    ax.set_ylabel("us per layer call")
+    ax.set_title(f"{payload['shape']['name']} {payload['dtype']} on {payload['env'].get('gpu')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")

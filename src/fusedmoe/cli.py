@@ -1,0 +1,114 @@
+"""Command line: ``fusedmoe info | bench | tune``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _info(args: argparse.Namespace) -> int:
+    from . import __version__
+    from .api import resolve_backend, triton_available
+    from .bench.report import environment
+
+    env = environment()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"fusedmoe {__version__}")
+    for key in ("python", "torch", "triton", "gpu", "cuda", "commit"):
+        if env.get(key) is not None:
+            print(f"  {key:<8} {env[key]}")
+    print(f"  device   {device}")
+    print("  backends torch (any device)" + (", triton" if triton_available() else ""))
+    print(f"  auto ->  {resolve_backend('auto', device)}")
+    return 0
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if not tokens or any(t < 0 for t in tokens):
+        raise argparse.ArgumentTypeError(f"--tokens must be non-negative integers, got {text!r}")
+    return tokens
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.cpu or not torch.cuda.is_available():
+        return _bench_strategies_cpu(args)
+    from .bench import kernel
+
+    return kernel.main(args)
+
+
+def _bench_strategies_cpu(args: argparse.Namespace) -> int:
+    from .bench import report, strategies
+
+    shape = strategies.StackShape(
+        num_experts=args.e or 16,
+        top_k=args.k or 4,
+        hidden_size=args.h or 256,
+        intermediate_size=args.i or 128,
+        num_layers=args.layers or 8,
+    )
+    tokens = args.tokens or [1, 4, 16, 64]
+    print(
+        f"CPU benchmark (no GPU): torch experts, E={shape.num_experts} k={shape.top_k} H={shape.hidden_size} "
+        f"I={shape.intermediate_size}, {shape.num_layers} layers, tokens {tokens}, float32"
+    )
+    results = strategies.run(
+        shape, tokens, steps=args.steps or 24, device=torch.device("cpu"), dtype=torch.float32, backend="torch"
+    )
+    report.print_table("workspace strategies (per layer call)", strategies.COLUMNS, strategies.table_rows(results))
+    if args.json:
+        report.save_json(args.json, {"env": report.environment(), "shape": shape.__dict__, "tokens": tokens,
+                                     "strategies": results})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _tune(argv: list[str]) -> int:
+    from .tune import main as tune_main
+
+    return tune_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusedmoe", description="fused Mixture-of-Experts layers")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="backends, device and versions")
+
+    bench = sub.add_parser("bench", help="benchmarks (GPU: kernel sweep; CPU: workspace strategies)")
+    bench.add_argument("--preset", default=None, help="model shape preset (see fusedmoe.presets)")
+    bench.add_argument("--e", type=int, help="number of experts")
+    bench.add_argument("--k", type=int, help="top-k")
+    bench.add_argument("--h", type=int, help="hidden size")
+    bench.add_argument("--i", type=int, help="intermediate size per expert")
+    bench.add_argument("--tokens", type=_parse_tokens, help="comma-separated token counts")
+    bench.add_argument("--dtype", default="bf16", help="bf16 or an fp8 mode: fp8_tensor, fp8_token, fp8_block")
+    bench.add_argument("--backends", default=None, help="comma-separated backends to compare")
+    bench.add_argument("--layers", type=int, help="layers in the CPU strategy stack")
+    bench.add_argument("--steps", type=int, help="timed steps (CPU strategy bench)")
+    bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")
+    bench.add_argument("--eager", action="store_true", help="GPU: also time eager (host cost) per call")
+    bench.add_argument("--json", default=None, help="write every figure to this JSON file")
+    bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")
+
+    sub.add_parser("tune", help="search kernel configs on this GPU and write a config file", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "tune":
+        return _tune(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        return _info(args)
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
