@@ -150,8 +150,7 @@ def check_fused_moe_args(
         )
     if quant is None and (w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype):
         raise TypeError(
-            f"w1/w2 dtype ({w1.dtype}, {w2.dtype}) must match hidden_states ({hidden_states.dtype}) "
-            "unless quant is set"
+            f"w1/w2 dtype ({w1.dtype}, {w2.dtype}) must match hidden_states ({hidden_states.dtype}) unless quant is set"
         )
     check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device)
 

@@ -63,8 +63,9 @@ def _bench_strategies_cpu(args: argparse.Namespace) -> int:
     )
     report.print_table("workspace strategies (per layer call)", strategies.COLUMNS, strategies.table_rows(results))
     if args.json:
-        report.save_json(args.json, {"env": report.environment(), "shape": shape.__dict__, "tokens": tokens,
-                                     "strategies": results})
+        report.save_json(
+            args.json, {"env": report.environment(), "shape": shape.__dict__, "tokens": tokens, "strategies": results}
+        )
         print(f"wrote {args.json}")
     return 0
 

@@ -18,7 +18,6 @@ from .routing import route
 from .workspace.manager import WorkspaceManager, default_manager
 from .workspace.plan import WorkspacePlan
 
-
 _LAYER_IDS = itertools.count()
 
 
@@ -181,7 +180,9 @@ class FusedMoE(nn.Module):
                 f"router_logits must end in num_experts={self.num_experts}, got {list(router_logits.shape)}"
             )
         if router_logits is not None and router_logits.numel() // self.num_experts != x.shape[0]:
-            raise ValueError(f"router_logits must hold one row per token ({x.shape[0]}), got {list(router_logits.shape)}")
+            raise ValueError(
+                f"router_logits must hold one row per token ({x.shape[0]}), got {list(router_logits.shape)}"
+            )
         topk_weights, topk_ids = self.route(x, router_logits)
         if x.dtype != self.w1.dtype:
             raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")

@@ -54,8 +54,8 @@ def fused_moe_reference(
     quant = QuantConfig.parse(quant)
     M, H = hidden_states.shape
     E = w1.shape[0]
-    global_E = global_num_experts if global_num_experts is not None else (
-        expert_map.shape[0] if expert_map is not None else E
+    global_E = (
+        global_num_experts if global_num_experts is not None else (expert_map.shape[0] if expert_map is not None else E)
     )
     x = hidden_states.to(torch.float64)
     if quant is not None:

@@ -36,20 +36,8 @@ def _median_ms(fn, iters: int = 10) -> float:
 def measure_ceilings(device: torch.device | None = None) -> Ceilings:
     """Copy and read bandwidth over 4 GiB buffers (far beyond L2) and the bf16 8192^3 matmul rate."""
     device = device or torch.device("cuda")
-    n = 1 << 31  # 2 Gi bf16 elements = 4 GiB
-    src = torch.randn(n // 1024, 1024, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src))
-    copy = 2 * src.numel() * 2 / (copy_ms * 1e-3) / 1e12
-    del dst
-    read_ms = _median_ms(lambda: src.sum(dtype=torch.float32))
-    read = src.numel() * 2 / (read_ms * 1e-3) / 1e12
-    del src
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_ms = _median_ms(lambda: a @ b)
-    tflops = 2 * 8192**3 / (mm_ms * 1e-3) / 1e12
-    del a, b
+    copy, read = _bandwidths(device)
+    tflops = _matmul_rate(device)
     torch.cuda.empty_cache()
     return Ceilings(copy_tb_s=copy, read_tb_s=read, bf16_tflops=tflops)
 
@@ -78,3 +66,20 @@ def layer_floor_us(
     if mem_us >= compute_us:
         return mem_us, bytes_moved, "memory"
     return compute_us, bytes_moved, "compute"
+
+
+def _bandwidths(device: torch.device, n: int = 1 << 31) -> tuple[float, float]:
+    """(copy TB/s counting read + write, read-only TB/s) over an n-element bf16 buffer (4 GiB by default)."""
+    src = torch.randn(n // 1024, 1024, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src))
+    read_ms = _median_ms(lambda: src.sum(dtype=torch.float32))
+    nbytes = src.numel() * src.element_size()
+    return 2 * nbytes / (copy_ms * 1e-3) / 1e12, nbytes / (read_ms * 1e-3) / 1e12
+
+
+def _matmul_rate(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = _median_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12

@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
             fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager)
             if fn is None:
                 continue
-            calls = [(lambda lg=lg: fn(lg)) for lg in logits]
+            calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
             row = {"backend": backend, "M": M, "floor_us": floor_us, "bound": bound}
             try:
                 if backend == "torch":
@@ -138,8 +138,16 @@ def main(args: argparse.Namespace) -> int:
                     if b != row["backend"]:
                         row[f"x_vs_{b}"] = t / row["us"]
                 rows.append(
-                    [row["backend"], M, row["us"], row.get("eager_us"), row["floor_us"], row["pct_floor"],
-                     row["tb_s"], row["tflops"]]
+                    [
+                        row["backend"],
+                        M,
+                        row["us"],
+                        row.get("eager_us"),
+                        row["floor_us"],
+                        row["pct_floor"],
+                        row["tb_s"],
+                        row["tflops"],
+                    ]
                     + [row.get(f"x_vs_{b}") for b in backends]
                 )
         torch.cuda.empty_cache()

@@ -82,11 +82,13 @@ def run(
         for layer in layers:
             layer.workspace = manager
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, strategy=strategy, ws13=ws13, ws2=ws2) -> torch.Tensor:
             for layer in layers:
                 if strategy == CALLER:
                     w, ids = layer.route(x)
-                    x = fused_moe(x, layer.w1, layer.w2, w, ids, workspace13=ws13, workspace2=ws2, backend=layer.backend)
+                    x = fused_moe(
+                        x, layer.w1, layer.w2, w, ids, workspace13=ws13, workspace2=ws2, backend=layer.backend
+                    )
                 else:
                     x = layer(x)
             return x

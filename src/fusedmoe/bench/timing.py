@@ -13,9 +13,7 @@ from collections.abc import Callable
 import torch
 
 
-def graph_time_us(
-    calls: list[Callable[[], object]], *, warmup_replays: int = 5, replays: int = 30
-) -> float:
+def graph_time_us(calls: list[Callable[[], object]], *, warmup_replays: int = 5, replays: int = 30) -> float:
     """Capture every function in ``calls`` once, in order, in one CUDA graph; return median us per call."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

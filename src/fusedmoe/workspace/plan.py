@@ -110,9 +110,7 @@ def lay_out(specs: list[BufferSpec] | tuple[BufferSpec, ...]) -> tuple[dict[str,
     for i in order:
         spec = specs[i]
         size = align_up(spec.nbytes)
-        busy = sorted(
-            (p.offset, align_up(p.end)) for p in placed if p.spec.overlaps_in_time(spec) and p.spec.nbytes
-        )
+        busy = sorted((p.offset, align_up(p.end)) for p in placed if p.spec.overlaps_in_time(spec) and p.spec.nbytes)
         offset = 0
         for start, stop in busy:
             if offset + size <= start:
