@@ -1,0 +1,251 @@
+"""Block-size configs of the grouped GEMMs: JSON files per (E, I, device, dtype), a heuristic, and pinning.
+
+File names follow vLLM's: ``E={E},N={I},device_name={name}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json``
+(``name`` = ``torch.cuda.get_device_name().replace(' ', '_')``), content ``{"<M>": {config}, ...}``; the entry
+whose key is nearest to M is used. Keys starting with ``_`` (e.g. ``"_source"``) are metadata.
+
+A config is either vLLM's flat form ``{"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_SIZE_K": ..,
+"GROUP_SIZE_M": .., "num_warps": .., "num_stages": ..}`` (unknown keys ignored) or ours, ``{"gemm1": {...},
+"gemm2": {...}}`` with the same keys in each. A flat config's N tile spans gate and up columns together, so
+GEMM1 (which computes a gate tile *and* an up tile per program) uses half its BLOCK_SIZE_N. BLOCK_SIZE_M is
+shared (both GEMMs read the same aligned blocks): GEMM2 always takes GEMM1's.
+
+Search order: ``$FUSEDMOE_CONFIG_DIR`` (can point at vLLM's tuned files), the packaged ``fusedmoe/configs``,
+then :func:`heuristic_config`. :func:`pinned_config` overrides everything (tests pin one small config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "configs"
+ENV_DIR = "FUSEDMOE_CONFIG_DIR"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes and launch settings of one grouped GEMM (all block sizes powers of two >= 16)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GemmConfig:
+        return cls(
+            block_m=int(d["BLOCK_SIZE_M"]),
+            block_n=int(d["BLOCK_SIZE_N"]),
+            block_k=int(d["BLOCK_SIZE_K"]),
+            group_m=int(d.get("GROUP_SIZE_M", 1)),
+            num_warps=int(d.get("num_warps", 4)),
+            num_stages=int(d.get("num_stages", 3)),
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "BLOCK_SIZE_M": self.block_m,
+            "BLOCK_SIZE_N": self.block_n,
+            "BLOCK_SIZE_K": self.block_k,
+            "GROUP_SIZE_M": self.group_m,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Configs of GEMM1 (gate/up + activation) and GEMM2 (down); ``block_m`` is shared and sets alignment."""
+
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def __post_init__(self) -> None:
+        if self.gemm2.block_m != self.gemm1.block_m:
+            object.__setattr__(self, "gemm2", replace(self.gemm2, block_m=self.gemm1.block_m))
+
+    @property
+    def block_m(self) -> int:
+        return self.gemm1.block_m
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MoEConfig:
+        if "gemm1" in d:
+            return cls(GemmConfig.from_dict(d["gemm1"]), GemmConfig.from_dict(d.get("gemm2", d["gemm1"])))
+        flat = GemmConfig.from_dict(d)
+        return cls(replace(flat, block_n=max(16, flat.block_n // 2)), flat)
+
+    def to_dict(self) -> dict:
+        return {"gemm1": self.gemm1.to_dict(), "gemm2": self.gemm2.to_dict()}
+
+    @classmethod
+    def simple(cls, block_m: int, block_n: int, block_k: int, **kw) -> MoEConfig:
+        g = GemmConfig(block_m, block_n, block_k, **kw)
+        return cls(g, g)
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        return torch.cuda.get_device_name(device).replace(" ", "_")
+    return "cpu"
+
+
+def quant_suffix(quant_mode: str | None, block_shape: tuple[int, int] | None = None) -> str:
+    if quant_mode is None:
+        return ""
+    s = ",dtype=fp8_w8a8"
+    if quant_mode == "fp8_block":
+        bn, bk = block_shape or (128, 128)
+        s += f",block_shape=[{bn},{bk}]"
+    return s
+
+
+def config_file_name(E: int, I: int, device: str, quant_mode: str | None = None,
+                     block_shape: tuple[int, int] | None = None) -> str:
+    return f"E={E},N={I},device_name={device}{quant_suffix(quant_mode, block_shape)}.json"
+
+
+@functools.lru_cache(maxsize=256)
+def _load_file(path: str) -> dict[int, MoEConfig] | None:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    table = {}
+    for key, val in raw.items():
+        if key.startswith("_") or not isinstance(val, dict):
+            continue
+        try:
+            table[int(key)] = MoEConfig.from_dict(val)
+        except (KeyError, ValueError, TypeError):
+            continue
+    return table or None
+
+
+def load_table(E: int, I: int, device: str, quant_mode: str | None = None,
+               block_shape: tuple[int, int] | None = None) -> dict[int, MoEConfig] | None:
+    """The tuned table for this shape: first match in $FUSEDMOE_CONFIG_DIR, then the packaged dir."""
+    name = config_file_name(E, I, device, quant_mode, block_shape)
+    dirs = [os.environ.get(ENV_DIR)] if os.environ.get(ENV_DIR) else []
+    dirs.append(str(PACKAGED_DIR))
+    for d in dirs:
+        table = _load_file(os.path.join(d, name))
+        if table:
+            return table
+    return None
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    """Largest power of two <= cap that is not above next_pow2(n) (at least 16)."""
+    p = 16
+    while p < cap and p < n:
+        p *= 2
+    return min(p, cap)
+
+
+def heuristic_config(M: int, E: int, H: int, I: int, top_k: int, quant_mode: str | None = None,
+                     block_shape: tuple[int, int] | None = None) -> MoEConfig:
+    """A Hopper-minded default by average rows per expert (patterned on tuned H200 tables)."""
+    rows = M * top_k / max(E, 1)
+    fp8 = quant_mode is not None
+    bk_small = 256 if fp8 else 128
+    if rows <= 1:
+        g1 = GemmConfig(16, 32, bk_small, 1, 4, 4)
+        g2 = GemmConfig(16, 64, bk_small, 1, 4, 4)
+    elif rows <= 4:
+        g1 = GemmConfig(16, 64, bk_small, 1, 4, 3)
+        g2 = GemmConfig(16, 128, bk_small, 1, 4, 3)
+    elif rows <= 16:
+        g1 = GemmConfig(32, 128, 128, 8, 8, 3)
+        g2 = GemmConfig(32, 128, 128, 8, 4, 3)
+    elif rows <= 64:
+        g1 = GemmConfig(64, 64, 128 if fp8 else 64, 8, 4, 3)
+        g2 = GemmConfig(64, 128, 128 if fp8 else 64, 8, 4, 3)
+    else:
+        g1 = GemmConfig(128, 128, 128 if fp8 else 64, 16, 8, 3 if fp8 else 4)
+        g2 = GemmConfig(128, 256 if not fp8 else 128, 128 if fp8 else 64, 16, 8, 3 if fp8 else 4)
+    # no wider than the problem
+    g1 = replace(g1, block_n=_pow2_at_most(I, g1.block_n), block_k=_pow2_at_most(H, g1.block_k))
+    g2 = replace(g2, block_n=_pow2_at_most(H, g2.block_n), block_k=_pow2_at_most(I, g2.block_k))
+    return MoEConfig(g1, g2)
+
+
+def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: tuple[int, int] | None) -> MoEConfig:
+    """Adjust a config to what the kernels require: for fp8_block, BLOCK_K divides the scale group."""
+    if quant_mode != "fp8_block":
+        return cfg
+    gk = (block_shape or (128, 128))[1]
+
+    def fix(g: GemmConfig) -> GemmConfig:
+        bk = g.block_k
+        while bk > 16 and (bk > gk or gk % bk):
+            bk //= 2
+        return replace(g, block_k=bk)
+
+    return MoEConfig(fix(cfg.gemm1), fix(cfg.gemm2))
+
+
+_PINNED: contextvars.ContextVar[MoEConfig | None] = contextvars.ContextVar("fusedmoe_pinned_config", default=None)
+_PINNED_GLOBAL: list[MoEConfig | None] = [None]
+
+
+@contextlib.contextmanager
+def pinned_config(cfg: MoEConfig | dict | None) -> Iterator[MoEConfig | None]:
+    """Use ``cfg`` for every problem inside the context (None: no pin)."""
+    if isinstance(cfg, dict):
+        cfg = MoEConfig.from_dict(cfg)
+    token = _PINNED.set(cfg)
+    try:
+        yield cfg
+    finally:
+        _PINNED.reset(token)
+
+
+def pin_config(cfg: MoEConfig | dict | None) -> None:
+    """Process-wide pin (None unpins); :func:`pinned_config` takes precedence."""
+    _PINNED_GLOBAL[0] = MoEConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
+
+
+def get_config(M: int, E: int, H: int, I: int, top_k: int, *, quant_mode: str | None = None,
+               block_shape: tuple[int, int] | None = None, device: str | None = None) -> MoEConfig:
+    """The config for a problem: pinned, else the nearest-M entry of a tuned file, else the heuristic."""
+    cfg = _PINNED.get() or _PINNED_GLOBAL[0]
+    if cfg is None:
+        cfg = _lookup(M, E, H, I, top_k, quant_mode, block_shape, device or device_name())
+    return fit_config(cfg, quant_mode, block_shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(M, E, H, I, top_k, quant_mode, block_shape, device) -> MoEConfig:
+    table = load_table(E, I, device, quant_mode, block_shape)
+    if table:
+        return table[min(table, key=lambda k: (abs(k - M), k))]
+    return heuristic_config(M, E, H, I, top_k, quant_mode, block_shape)
+
+
+def clear_cache() -> None:
+    _load_file.cache_clear()
+    _lookup.cache_clear()
+
+
+def table_to_json(table: dict[int, MoEConfig], source: str) -> str:
+    body = {"_source": source}
+    body.update({str(m): table[m].to_dict() for m in sorted(table)})
+    return json.dumps(body, indent=2) + "\n"
+
+
+__all__ = ["ENV_DIR", "PACKAGED_DIR", "GemmConfig", "MoEConfig", "clear_cache", "config_file_name",
+           "device_name", "fit_config", "get_config", "heuristic_config", "load_table", "pin_config",
+           "pinned_config", "table_to_json"]
