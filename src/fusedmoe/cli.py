@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="timed steps (CPU strategy bench)")
     bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")
     bench.add_argument("--eager", action="store_true", help="GPU: also time eager (host cost) per call")
+    bench.add_argument("--profile", action="store_true", help="GPU: per-kernel device time (torch profiler)")
     bench.add_argument("--align", action="store_true", help="GPU: time the alignment op alone")
     bench.add_argument("--json", default=None, help="write every figure to this JSON file")
     bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")

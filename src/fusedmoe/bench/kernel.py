@@ -108,6 +108,15 @@ def main(args: argparse.Namespace) -> int:
         )
         flops = 2 * M * shape.top_k * 3 * shape.hidden * shape.inter
         times: dict[str, float] = {}
+        if args.profile:
+            from . import profile
+
+            fn = _make_call("triton", shape, x, w1, w2, quantized, expert_map, manager)
+            breakdown = profile.kernel_breakdown(lambda fn=fn, lg=logits[0]: fn(lg))
+            profile.print_breakdown(f"{shape.name} {args.dtype} M={M} (triton, eager)", breakdown)
+            results.append({"backend": "triton", "M": M, "profile": breakdown,
+                            "host_ops": profile.cpu_op_counts(lambda fn=fn, lg=logits[0]: fn(lg))})
+            continue
         for backend in backends:
             fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager)
             if fn is None:

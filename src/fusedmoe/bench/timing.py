@@ -12,10 +12,19 @@ from collections.abc import Callable
 
 import torch
 
+_STREAM: list[torch.cuda.Stream] = []
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """One side stream for every warm-up and capture, so the workspace slot (keyed by stream) is reused."""
+    if not _STREAM:
+        _STREAM.append(torch.cuda.Stream())
+    return _STREAM[0]
+
 
 def graph_time_us(calls: list[Callable[[], object]], *, warmup_replays: int = 5, replays: int = 30) -> float:
     """Capture every function in ``calls`` once, in order, in one CUDA graph; return median us per call."""
-    stream = torch.cuda.Stream()
+    stream = _side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for fn in calls:  # warm-up outside the graph (compilation, workspace growth)
@@ -23,7 +32,7 @@ def graph_time_us(calls: list[Callable[[], object]], *, warmup_replays: int = 5,
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for fn in calls:
             fn()
     for _ in range(warmup_replays):
