@@ -130,12 +130,26 @@ def test_poison_bit_identical(quant):
     assert torch.equal(clean, dirty)
 
 
-def test_multi_program_alignment_path():
-    # 70 * 8 = 560 slots > FUSED_MAX_SLOTS: the two-launch alignment with its planned histogram buffer
-    case = _case(70, 32, 16, 16, 8)
-    clean, ref = _run(*case, strategy="alloc_zeros")
-    dirty, _ = _run(*case, poison=True)
-    assert relative_error(clean, ref) < 1e-5 and torch.equal(clean, dirty)
+def test_multi_program_alignment_path(monkeypatch):
+    """The two-launch alignment (its planned histogram buffer poisoned too) inside the whole layer."""
+    import fusedmoe.ops.align as align
+    from fusedmoe.api import get_kernel
+
+    def clear():
+        align.align_params.cache_clear()
+        get_kernel("triton").experts._launches.clear()
+
+    monkeypatch.setattr(align, "SINGLE_MAX_SLOTS", 256)  # 70 * 8 = 560 slots -> two launches
+    clear()
+    try:
+        assert align.align_params(560, 16, 16).launches == 2
+        case = _case(70, 32, 16, 16, 8)
+        clean, ref = _run(*case, strategy="alloc_zeros")
+        dirty, _ = _run(*case, poison=True)
+        assert relative_error(clean, ref) < 1e-5 and torch.equal(clean, dirty)
+    finally:
+        monkeypatch.undo()
+        clear()
 
 
 def test_plan_is_pure_and_aliases():

@@ -61,11 +61,19 @@ class MoEKernel:
             dtype=x.hidden_states.dtype,
             device=x.hidden_states.device,
             protected={
-                "hidden_states": x.hidden_states,
-                "w1": x.w1,
-                "w2": x.w2,
-                "topk_weights": x.topk_weights,
-                "topk_ids": x.topk_ids,
+                name: getattr(x, name)
+                for name in (
+                    "hidden_states",
+                    "w1",
+                    "w2",
+                    "topk_weights",
+                    "topk_ids",
+                    "expert_map",
+                    "w1_scale",
+                    "w2_scale",
+                    "a1_scale",
+                    "a2_scale",
+                )
             },
         )
         for spec in plan.buffers:  # declared zero regions hold for caller memory too

@@ -183,11 +183,11 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"router_logits must hold one row per token ({x.shape[0]}), got {list(router_logits.shape)}"
             )
-        topk_weights, topk_ids = self.route(x, router_logits)
         if x.dtype != self.w1.dtype:
             raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
+        topk_weights, topk_ids = self.route(x, router_logits)
         p = self.problem(x.shape[0], x.dtype)
         inputs = ExpertsInputs(x, self.w1, self.w2, topk_weights, topk_ids)
         out = run_problem(inputs, p, backend=self.backend, workspace=self.workspace, owner=self.owner_key)

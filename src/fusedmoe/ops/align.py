@@ -12,32 +12,62 @@ Outputs, all written by the kernels themselves (no fill, no zeros, no host sync,
 Non-local slots (id outside [0, global_E), or expert_map[id] == -1) are *skipped*: they appear in no block,
 so the GEMMs never compute them and the top-k reduce skips them by the same rule (``_local_expert``).
 
-Algorithm. Slots are cut into ``n_prog`` spans of ``span`` slots, each processed in sub-chunks of ``SUB``:
-  launch 1 (``_align_count``): per-span histogram over experts -> ``partial`` [n_prog, E_PAD] (every entry);
-  launch 2 (``_align_scatter``): every program sums the histograms (totals, and the prefix of earlier spans),
-  scans padded counts into segment starts, and scatters its span; the rank of a slot inside its sub-chunk
-  comes from a SUB x SUB comparison, so the order is deterministic. Programs also share the sentinel writes
-  and the block_expert table.
-Small problems (decode) fuse both into one single-program launch and need no ``partial`` buffer.
+Algorithm: three regimes by slot count ``n`` (``AlignParams.mode``), all free of data-dependent loops:
 
-Static sizes: ``max_padded = M*k + E*(BLOCK_M-1)``, ``max_blocks = cdiv(max_padded, BLOCK_M)``.
+- ``"pairs"`` (n <= PAIRS_MAX_SLOTS, decode): one launch, one program, no per-expert vectors at all. All slots
+  are loaded at once; one [S, S] reduction gives, per slot, the count of its expert and its rank among earlier
+  slots of that expert (packed as ``count + rank << 16``); a second [S, S] reduction gives its destination
+  ``sum of padded counts of smaller experts (counted once, by each expert's first slot) + rank``. Each slot
+  writes ``sorted_ids[dest]`` and ``block_expert[dest // BLOCK_M]`` (every block below num_padded holds at
+  least one real slot, so this writes every live block entry; duplicate writes carry the same value); the
+  last slot of each expert writes its segment's sentinels; a masked store writes -1 to the blocks at/after
+  num_padded. The cost is O(S^2) with S <= 64, independent of E; 1-4 warps.
+- ``"single"`` (n <= SINGLE_MAX_SLOTS): one launch, ``n_prog`` programs of ``span`` (= ``sub``, 32-64) slots
+  (``sub = next_pow2(n / TARGET_PROGRAMS)`` clamped to [MIN_SUB, MAX_SUB], at most MAX_PROGRAMS). Every program loads
+  *all* slots at once and builds two histograms (``tl.histogram`` over E_PAD bins): totals, and the prefix
+  of the slots before its span; a cumsum of padded totals gives the segment starts. It ranks its own span
+  with a [span, span] comparison and scatters it (``sorted_ids`` and ``block_expert[dest // BLOCK_M]``).
+  The sentinels (experts split evenly over programs, [EC, BLOCK_M] tiles) and the -1 tail of
+  ``block_expert`` (blocks split evenly) are shared. Redundant histograms are cheaper than a second launch
+  while n is moderate (each program's histograms cost ~n / threads ballots; at n = 8192 that outweighs a launch).
+- ``"two"`` (larger n): launch 1 (``_align_count``, ``n_prog`` programs) writes the histogram of each span to
+  ``partial`` [n_prog, E_PAD]; launch 2 (``_align_scatter``, same grid) is the "single" program with totals
+  and prefix read from ``partial`` in [ROWS, E_PAD] tiles instead. Spans are ``sub``-slot sub-chunks
+  (<= 128, ranked by a [sub, sub] comparison); n_prog <= MAX_PROGRAMS keeps each program's ``partial`` read
+  small (<= MAX_PROGRAMS * E_PAD int32). Launch 2 loads and ranks its first sub-chunk before reading
+  ``partial``; with ``USE_PDL`` (env FUSEDMOE_ALIGN_PDL=1, Hopper+) launch 2 is a programmatic dependent
+  launch that does this prologue while launch 1 runs, then waits (``griddepcontrol.wait``).
+
+Thresholds can be overridden from the environment (FUSEDMOE_ALIGN_PAIRS_MAX, FUSEDMOE_ALIGN_SINGLE_MAX) to
+compare regimes on a GPU. Static sizes: ``max_padded = M*k + E*(BLOCK_M-1)``,
+``max_blocks = cdiv(max_padded, BLOCK_M)``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-#: Up to this many slots, alignment is one single-program launch.
-FUSED_MAX_SLOTS = 512
-#: Slots per sub-chunk (the SUB x SUB rank comparison) in the multi-program path.
-SUB_CHUNK = 128
-#: Most programs of the multi-program path (each program re-reads all n_prog histograms).
+#: Up to this many slots: one single-program launch with [S, S] slot-pair reductions (S <= 64 keeps them cheap).
+PAIRS_MAX_SLOTS = int(os.environ.get("FUSEDMOE_ALIGN_PAIRS_MAX", "64"))
+#: Up to this many slots: one multi-program launch, every program histogramming all slots.
+SINGLE_MAX_SLOTS = int(os.environ.get("FUSEDMOE_ALIGN_SINGLE_MAX", "4096"))
+#: Sub-chunk (ranked by a [sub, sub] comparison) = next_pow2(n / TARGET_PROGRAMS) clamped to [MIN_SUB, MAX_SUB].
+MIN_SUB = 32
+MAX_SUB = 128
+TARGET_PROGRAMS = 128
+#: Most programs of the multi-program regimes (launch 2 re-reads all n_prog histogram rows).
 MAX_PROGRAMS = 128
+#: Launch 2 of the "two" regime as a programmatic dependent launch (Hopper+; off under the interpreter).
+USE_PDL = os.environ.get("FUSEDMOE_ALIGN_PDL", "0") == "1"
+#: Element budget of one 2-D register tile (sentinel and -1 tiles are cut to stay under it).
+_TILE = 4096
 
 
 @triton.jit
@@ -54,42 +84,99 @@ def _local_expert(ids, map_ptr, global_E, E, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
-def _span_histogram(ids_ptr, map_ptr, start, stop, global_E, E, HAS_MAP: tl.constexpr,
-                    SUB: tl.constexpr, E_PAD: tl.constexpr):
+def _tail_blocks(block_expert_ptr, num_padded, lo, hi, BLOCK_M: tl.constexpr, BB: tl.constexpr):
+    """block_expert[b] = -1 for b in [lo, hi) at/after num_padded (entries below are written by their slots)."""
+    first_free = num_padded // BLOCK_M
+    for b0 in range(lo, hi, BB):
+        b = b0 + tl.arange(0, BB)
+        tl.store(block_expert_ptr + b, -1, mask=(b >= first_free) & (b < hi))
+
+
+@triton.jit
+def _align_pairs(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_slots, global_E, E, max_blocks,
+                 HAS_MAP: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, PW: tl.constexpr,
+                 BB: tl.constexpr):
+    i = tl.arange(0, S)
+    m = i < n_slots
+    e = _local_expert(tl.load(ids_ptr + i, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
+    ok = m & (e >= 0)
+    e = tl.where(ok, e, -1)
+    # per slot i: count of its expert (low 16 bits) and rank among earlier slots of that expert (high 16 bits)
+    same = (e[:, None] == e[None, :]) & ok[:, None]
+    packed = tl.sum(tl.where(same, tl.where(i[None, :] < i[:, None], 65537, 1), 0), axis=1)
+    cnt = packed & 0xFFFF
+    rank = packed >> 16
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    lead = tl.where(ok & (rank == 0), padded, 0)  # each expert's padded length, once (by its first slot)
+    dest = tl.sum(tl.where(e[None, :] < e[:, None], lead[None, :], 0), axis=1) + rank
+    num_padded = tl.sum(lead, axis=0)
+    tl.store(num_padded_ptr, num_padded)
+    tl.store(sorted_ptr + dest, i, mask=ok)
+    tl.store(block_expert_ptr + dest // BLOCK_M, e, mask=ok)
+    if BLOCK_M > 1:  # sentinels: the last slot of each expert pads its segment
+        npad = tl.where(ok & (rank == cnt - 1), padded - cnt, 0)
+        for t0 in tl.static_range(0, BLOCK_M - 1, PW):
+            t = t0 + tl.arange(0, PW)
+            tl.store(sorted_ptr + (dest + 1)[:, None] + t[None, :], n_slots, mask=t[None, :] < npad[:, None])
+    _tail_blocks(block_expert_ptr, num_padded, 0, max_blocks, BLOCK_M, BB)
+
+
+@triton.jit
+def _sub_rank(ids_ptr, map_ptr, s0, stop, global_E, E, HAS_MAP: tl.constexpr, SUB: tl.constexpr):
+    """Slots [s0, s0 + SUB) ∩ [.., stop): offsets, local expert (0 where skipped), ok, rank in the sub-chunk."""
+    sub = tl.arange(0, SUB)
+    offs = s0 + sub
+    m = offs < stop
+    e = _local_expert(tl.load(ids_ptr + offs, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
+    ok = m & (e >= 0)
+    e0 = tl.where(ok, e, 0)
+    same = (e0[:, None] == e0[None, :]) & ok[None, :] & (sub[None, :] < sub[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    return offs, e0, ok, rank
+
+
+@triton.jit
+def _align_count(ids_ptr, map_ptr, partial_ptr, n_slots, global_E, E, span,
+                 HAS_MAP: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    start = pid * span
+    stop = tl.minimum(start + span, n_slots)
     hist = tl.zeros([E_PAD], dtype=tl.int32)
     for s0 in range(start, stop, SUB):
         offs = s0 + tl.arange(0, SUB)
         m = offs < stop
         e = _local_expert(tl.load(ids_ptr + offs, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
         hist += tl.histogram(tl.where(e >= 0, e, 0), E_PAD, mask=m & (e >= 0)).to(tl.int32)
-    return hist
-
-
-@triton.jit
-def _align_count(ids_ptr, map_ptr, partial_ptr, n_slots, global_E, E, span,
-                 HAS_MAP: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr):
-    pid = tl.program_id(0)
-    start = pid * span
-    stop = tl.minimum(start + span, n_slots)
-    hist = _span_histogram(ids_ptr, map_ptr, start, stop, global_E, E, HAS_MAP, SUB, E_PAD)
     tl.store(partial_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
 
 
 @triton.jit
 def _align_scatter(ids_ptr, map_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                    n_slots, global_E, E, span, n_prog, max_blocks,
-                   HAS_MAP: tl.constexpr, FUSED: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EC: tl.constexpr, BC: tl.constexpr):
+                   HAS_MAP: tl.constexpr, SINGLE: tl.constexpr, N_ALL: tl.constexpr, SUB: tl.constexpr,
+                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EC: tl.constexpr,
+                   PW: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     start = pid * span
     stop = tl.minimum(start + span, n_slots)
     e_idx = tl.arange(0, E_PAD)
+    # first sub-chunk first: its loads and rank do not depend on the histograms
+    offs, e0, ok, rank = _sub_rank(ids_ptr, map_ptr, start, stop, global_E, E, HAS_MAP, SUB)
 
-    # ---- per-expert totals and the prefix of earlier spans
-    if FUSED:
-        total = _span_histogram(ids_ptr, map_ptr, 0, n_slots, global_E, E, HAS_MAP, SUB, E_PAD)
-        prefix = tl.zeros([E_PAD], dtype=tl.int32)
+    # ---- per-expert totals and the prefix of the slots before this span
+    if SINGLE:
+        a = tl.arange(0, N_ALL)
+        am = a < n_slots
+        ea = _local_expert(tl.load(ids_ptr + a, mask=am, other=-1), map_ptr, global_E, E, HAS_MAP)
+        oka = am & (ea >= 0)
+        ea = tl.where(oka, ea, 0)
+        total = tl.histogram(ea, E_PAD, mask=oka).to(tl.int32)
+        prefix = tl.histogram(ea, E_PAD, mask=oka & (a < start)).to(tl.int32)
     else:
+        if PDL:
+            gdc_wait()
         total = tl.zeros([E_PAD], dtype=tl.int32)
         prefix = tl.zeros([E_PAD], dtype=tl.int32)
         for r0 in range(0, n_prog, ROWS):
@@ -100,50 +187,50 @@ def _align_scatter(ids_ptr, map_ptr, partial_ptr, sorted_ptr, block_expert_ptr, 
             prefix += tl.sum(tl.where((rows < pid)[:, None], tile, 0), axis=0)
 
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    seg_end = tl.cumsum(padded, 0)
-    seg_start = seg_end - padded
+    seg_start = tl.cumsum(padded, 0) - padded
     num_padded = tl.sum(padded, axis=0)
     if pid == 0:
         tl.store(num_padded_ptr, num_padded)
 
-    # ---- scatter this span's slots: dest = segment start + earlier spans + rank inside the sub-chunk
+    # ---- scatter: dest = segment start + same-expert slots before this sub-chunk + rank inside it
     base = seg_start + prefix
-    sub = tl.arange(0, SUB)
-    for s0 in range(start, stop, SUB):
-        offs = s0 + sub
-        m = offs < stop
-        e = _local_expert(tl.load(ids_ptr + offs, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
-        ok = m & (e >= 0)
-        e0 = tl.where(ok, e, 0)
-        same = (e0[:, None] == e0[None, :]) & ok[None, :] & (sub[None, :] < sub[:, None])
-        rank = tl.sum(same.to(tl.int32), axis=1)
+    dest = tl.gather(base, e0, 0) + rank
+    tl.store(sorted_ptr + dest, offs, mask=ok)
+    tl.store(block_expert_ptr + dest // BLOCK_M, e0, mask=ok)
+    for s0 in range(start + SUB, stop, SUB):
+        base += tl.histogram(e0, E_PAD, mask=ok).to(tl.int32)
+        offs, e0, ok, rank = _sub_rank(ids_ptr, map_ptr, s0, stop, global_E, E, HAS_MAP, SUB)
         dest = tl.gather(base, e0, 0) + rank
         tl.store(sorted_ptr + dest, offs, mask=ok)
-        base += tl.histogram(e0, E_PAD, mask=ok).to(tl.int32)
+        tl.store(block_expert_ptr + dest // BLOCK_M, e0, mask=ok)
 
-    # ---- sentinels in each expert's padding (experts spread over programs)
-    j = tl.arange(0, BLOCK_M)
-    for e0 in range(pid * EC, E, n_prog * EC):
-        ex = e0 + tl.arange(0, EC)
-        exc = tl.minimum(ex, E_PAD - 1)
-        cnt = tl.gather(total, exc, 0)
-        pad = tl.gather(padded, exc, 0) - cnt
-        pos = tl.gather(seg_start, exc, 0) + cnt
-        m = (ex < E)[:, None] & (j[None, :] < pad[:, None])
-        tl.store(sorted_ptr + pos[:, None] + j[None, :], n_slots, mask=m)
+    # ---- sentinels in the padding of this program's experts
+    if BLOCK_M > 1:
+        fill = seg_start + total
+        npad = padded - total
+        epp = tl.cdiv(E, n_prog)
+        e_hi = tl.minimum(pid * epp + epp, E)
+        for x0 in range(pid * epp, e_hi, EC):
+            ex = x0 + tl.arange(0, EC)
+            exc = tl.minimum(ex, E_PAD - 1)
+            f = tl.gather(fill, exc, 0)
+            c = tl.where(ex < e_hi, tl.gather(npad, exc, 0), 0)
+            for t0 in tl.static_range(0, BLOCK_M - 1, PW):
+                t = t0 + tl.arange(0, PW)
+                tl.store(sorted_ptr + f[:, None] + t[None, :], n_slots, mask=t[None, :] < c[:, None])
 
-    # ---- expert of every block; -1 at and past num_padded
-    for b0 in range(pid * BC, max_blocks, n_prog * BC):
-        b = b0 + tl.arange(0, BC)
-        row0 = b * BLOCK_M
-        owner = tl.sum((seg_end[None, :] <= row0[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(row0 < num_padded, owner, -1)
-        tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
+    # ---- -1 for this program's share of the blocks at/after num_padded
+    bpp = tl.cdiv(max_blocks, n_prog)
+    _tail_blocks(block_expert_ptr, num_padded, pid * bpp, tl.minimum(pid * bpp + bpp, max_blocks), BLOCK_M, BB)
 
 
 @dataclass(frozen=True)
 class AlignParams:
-    """Static launch parameters of one alignment (a pure function of slots, E and BLOCK_M)."""
+    """Static launch parameters of one alignment (a pure function of slots, E and BLOCK_M).
+
+    ``mode``: "pairs" | "single" (one launch, ``fused``) or "two" (count + scatter, needs ``partial``);
+    ``n_prog`` programs per launch, each owning ``span`` slots ranked in ``sub``-slot sub-chunks.
+    """
 
     n_slots: int
     num_experts: int
@@ -155,10 +242,16 @@ class AlignParams:
     span: int
     sub: int
     e_pad: int
+    mode: str
+    num_warps: int
+
+    @property
+    def launches(self) -> int:
+        return 1 if self.fused else 2
 
     @property
     def partial_shape(self) -> tuple[int, int]:
-        """Shape of the int32 histogram scratch (empty for the fused single-program path)."""
+        """Shape of the int32 histogram scratch (empty when one launch does it all)."""
         return (0, self.e_pad) if self.fused else (self.n_prog, self.e_pad)
 
 
@@ -175,16 +268,31 @@ def align_params(n_slots: int, num_experts: int, block_m: int) -> AlignParams:
     max_padded = max_padded_size(n_slots, num_experts, block_m)
     max_blocks = triton.cdiv(max_padded, block_m)
     e_pad = triton.next_power_of_2(num_experts)
-    if n_slots <= FUSED_MAX_SLOTS:
-        sub = max(16, min(SUB_CHUNK, triton.next_power_of_2(max(n_slots, 1))))
-        return AlignParams(n_slots, num_experts, block_m, max_padded, max_blocks, True, 1,
-                           max(n_slots, 1), sub, e_pad)
-    chunks = triton.cdiv(n_slots, SUB_CHUNK)
-    per_prog = triton.cdiv(chunks, MAX_PROGRAMS)
-    span = per_prog * SUB_CHUNK
+    common = (n_slots, num_experts, block_m, max_padded, max_blocks)
+    if n_slots <= min(PAIRS_MAX_SLOTS, 1024):
+        s = max(16, triton.next_power_of_2(max(n_slots, 1)))
+        warps = 1 if s <= 32 else 2 if s <= 64 else 4 if s <= 128 else 8
+        return AlignParams(*common, True, 1, max(n_slots, 1), s, e_pad, "pairs", warps)
+    sub = min(MAX_SUB, max(MIN_SUB, triton.next_power_of_2(triton.cdiv(n_slots, TARGET_PROGRAMS))))
+    per_prog = triton.cdiv(triton.cdiv(n_slots, sub), MAX_PROGRAMS)
+    span = per_prog * sub
     n_prog = triton.cdiv(n_slots, span)
-    return AlignParams(n_slots, num_experts, block_m, max_padded, max_blocks, False, n_prog, span,
-                       SUB_CHUNK, e_pad)
+    if n_slots <= SINGLE_MAX_SLOTS:
+        warps = 8 if n_slots > 4096 or sub >= 128 else 4
+        return AlignParams(*common, True, n_prog, span, sub, e_pad, "single", warps)
+    warps = 8 if sub >= 128 or e_pad >= 512 else 4
+    return AlignParams(*common, False, n_prog, span, sub, e_pad, "two", warps)
+
+
+def align_launches(n_slots: int, num_experts: int, block_m: int) -> int:
+    """Kernel launches of one :func:`moe_align` call (1 or 2)."""
+    return align_params(n_slots, num_experts, block_m).launches
+
+
+def _use_pdl(dev: torch.device) -> bool:
+    if not USE_PDL or dev.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def moe_align(
@@ -209,7 +317,7 @@ def moe_align(
         global_num_experts: id range (default: len(expert_map) or num_experts).
         sorted_ids, block_expert, num_padded, partial: output / scratch tensors (from the workspace plan);
             allocated here when None (tests). Shapes: [max_padded], [max_blocks], [1] int32 and
-            ``align_params(...).partial_shape`` int32.
+            ``align_params(...).partial_shape`` int32 (unused by one-launch regimes).
 
     Returns:
         (sorted_ids, block_expert, num_padded).
@@ -239,17 +347,31 @@ def moe_align(
     num_padded = buf(num_padded, (1,))
     map_arg = expert_map if expert_map is not None else topk_ids
     has_map = expert_map is not None
-    if not p.fused:
+    pw = min(triton.next_power_of_2(block_m), 64)
+    if p.mode == "pairs":
+        bb = min(triton.next_power_of_2(p.max_blocks), _TILE)
+        _align_pairs[(1,)](topk_ids, map_arg, sorted_ids, block_expert, num_padded, n, global_num_experts,
+                           num_experts, p.max_blocks, HAS_MAP=has_map, S=p.sub, BLOCK_M=block_m,
+                           PW=min(pw, max(1, _TILE // p.sub)), BB=bb, num_warps=p.num_warps)
+        return sorted_ids, block_expert, num_padded
+
+    pdl = False
+    if p.mode == "two":
         partial = buf(partial, p.partial_shape)
+        pdl = _use_pdl(dev)
         _align_count[(p.n_prog,)](topk_ids, map_arg, partial, n, global_num_experts, num_experts, p.span,
-                                  HAS_MAP=has_map, SUB=p.sub, E_PAD=p.e_pad, num_warps=4)
+                                  HAS_MAP=has_map, SUB=p.sub, E_PAD=p.e_pad, PDL=pdl, num_warps=4)
     else:
         partial = sorted_ids  # unused
+    ec = min(triton.next_power_of_2(triton.cdiv(num_experts, p.n_prog)), max(1, _TILE // pw))
+    bb = min(triton.next_power_of_2(triton.cdiv(p.max_blocks, p.n_prog)), _TILE)
+    rows = min(triton.next_power_of_2(p.n_prog), max(1, 8192 // p.e_pad))
     _align_scatter[(p.n_prog,)](
         topk_ids, map_arg, partial, sorted_ids, block_expert, num_padded,
         n, global_num_experts, num_experts, p.span, p.n_prog, p.max_blocks,
-        HAS_MAP=has_map, FUSED=p.fused, SUB=p.sub, E_PAD=p.e_pad, BLOCK_M=block_m,
-        ROWS=16, EC=16, BC=64, num_warps=4 if p.fused else 8,
+        HAS_MAP=has_map, SINGLE=p.mode == "single", N_ALL=triton.next_power_of_2(n), SUB=p.sub, E_PAD=p.e_pad,
+        BLOCK_M=block_m, ROWS=rows, EC=ec, PW=pw, BB=bb, PDL=pdl, num_warps=p.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return sorted_ids, block_expert, num_padded
 
@@ -291,5 +413,5 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     return sorted_ids, block_expert, torch.tensor([pos], dtype=torch.int32)
 
 
-__all__ = ["AlignParams", "align_params", "align_reference", "local_expert_reference", "max_padded_size",
-           "moe_align"]
+__all__ = ["AlignParams", "align_launches", "align_params", "align_reference", "local_expert_reference",
+           "max_padded_size", "moe_align"]

@@ -131,7 +131,7 @@ def route_fused(
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_pad = triton.next_power_of_2(E)
-    rows = max(1, min(16, 4096 // e_pad))
+    rows = max(1, min(8, 1024 // e_pad))  # a [rows, E] tile per program, reduced within one warp
     groups = num_expert_groups if (num_expert_groups or 1) > 1 else 1
     _route_kernel[(triton.cdiv(M, rows),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
@@ -140,6 +140,6 @@ def route_fused(
         SCORING=_SCORING[scoring], RENORM=bool(renormalize), HAS_BIAS=correction_bias is not None,
         GROUPS=groups, TOPK_GROUPS=topk_groups or 1,
         GROUP_RANK_TOP2=scoring == "sigmoid" or correction_bias is not None,
-        num_warps=4,
+        num_warps=1 if rows * e_pad <= 1024 else 4,
     )
     return weights, ids

@@ -32,8 +32,12 @@ STRATEGIES = ("alloc_zeros", "alloc_empty", "per_layer", "shared")
 #: Smallest arena a growth allocates (bytes).
 MIN_BUCKET = 1 << 16
 
-#: Byte used to poison integer buffers (0x7F7F7F7F as int32: a large positive id; 0x7F as e4m3: NaN).
+#: Views of at most this many plans are cached per arena.
+MAX_CACHED_VIEWS = 256
+
+#: Poison of 1-byte buffers (0x7F is NaN in e4m3) and the 16-bit poison of wider ones (see poison_views).
 POISON_BYTE = 0x7F
+POISON_HALF = 0x7FC0
 
 
 class WorkspaceError(ValueError):
@@ -238,8 +242,13 @@ class WorkspaceManager:
 
         Zero-requiring buffers are zeroed (and counted); in poison mode every view is poisoned first.
         """
-        self.stats.calls += 1
         nbytes = plan.nbytes
+        if self.strategy in ("per_layer", "shared"):
+            key = self._key(owner, None)
+            held = self._arenas.get(key)
+            if held is None or held.nbytes < nbytes:
+                self._check_growth(nbytes, held)  # before any state changes: a refused call leaves no trace
+        self.stats.calls += 1
         if nbytes > self.stats.peak_bytes:
             self.stats.peak_bytes = nbytes
         self.stats.plan_bytes[owner] = nbytes
@@ -254,14 +263,13 @@ class WorkspaceManager:
                     self.stats.zero_fills += 1
             views = make_views(plan, arena)
         else:
-            key = self._key(owner, None)
-            held = self._arenas.get(key)
             if held is None or held.nbytes < nbytes:
-                self._check_growth(nbytes, held)
                 held = self._replace(key, held, bucket_bytes(nbytes))
                 self.stats.growths += 1
             cached = held.views.get(id(plan))
             if cached is None or cached[0] is not plan:
+                if len(held.views) >= MAX_CACHED_VIEWS:  # bounded under shape churn
+                    held.views.clear()
                 cached = (plan, make_views(plan, held.data))
                 held.views[id(plan)] = cached
             arena, views = held.data, cached[1]
@@ -282,13 +290,20 @@ class WorkspaceManager:
 
 
 def poison_views(ws: Workspace) -> None:
-    """Fill every buffer with NaN (floating dtypes) or 0x7F bytes (integers, fp8: 0x7F is e4m3 NaN)."""
-    for spec in ws.plan.buffers:
+    """Fill every buffer with poison: the 16-bit pattern 0x7FC0 repeated for 2-, 4- and 8-byte dtypes (a NaN in
+    bf16, fp16 and fp32, and a huge positive int16/int32/int64, so a float view over integer poison still reads
+    NaN and an index view over float poison still points far out of range), 0x7F bytes for 1-byte dtypes (NaN
+    in e4m3).
+
+    Buffers that share bytes (disjoint lifetimes) are filled latest-first, so every byte holds the poison of
+    the buffer that is live first there: the one that could read it before anything in the call wrote it.
+    """
+    for spec in sorted(ws.plan.buffers, key=lambda b: -int(b.first)):
         if not spec.nbytes:
             continue
         view = ws.views[spec.name]
-        if spec.dtype.is_floating_point and spec.dtype.itemsize >= 2:
-            view.fill_(float("nan"))
+        if spec.dtype.itemsize >= 2:
+            view.view(torch.int16).fill_(POISON_HALF)
         else:
             view.view(torch.uint8).fill_(POISON_BYTE)
 
@@ -303,7 +318,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device:
+    if a.device != b.device or a.device.type == "meta":  # meta tensors have no memory to share
         return False
     a0, a1 = _extent(a)
     b0, b1 = _extent(b)
