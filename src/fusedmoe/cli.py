@@ -38,6 +38,13 @@ def _parse_tokens(text: str) -> list[int]:
 def _bench(args: argparse.Namespace) -> int:
     if args.cpu or not torch.cuda.is_available():
         return _bench_strategies_cpu(args)
+    if args.route:
+        from .bench import report, route
+
+        results = route.run(args.tokens or [1, 8, 64, 1024, 16384])
+        if args.json:
+            report.save_json(args.json, {"env": report.environment(), "route": results})
+        return 0
     if args.align:
         from .bench import align, report
 
@@ -102,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")
     bench.add_argument("--eager", action="store_true", help="GPU: also time eager (host cost) per call")
     bench.add_argument("--profile", action="store_true", help="GPU: per-kernel device time (torch profiler)")
+    bench.add_argument("--route", action="store_true", help="GPU: time route() alone (torch vs kernel shapes)")
     bench.add_argument("--align", action="store_true", help="GPU: time the alignment op alone")
     bench.add_argument("--json", default=None, help="write every figure to this JSON file")
     bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")

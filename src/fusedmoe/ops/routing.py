@@ -8,8 +8,10 @@ rows, with the same rules:
 - selection uses ``score + correction_bias`` (when given); weights use the unbiased score;
 - groups (``num_groups > 1``): a group's rank is the sum of its top-2 selection scores when scoring is sigmoid
   or a bias is given, else its best score; experts outside the ``topk_groups`` best groups are masked out;
-- top-k by repeated arg-max (ties go to the lower expert id), then renormalize (sum of the k weights) and
-  multiply by ``routed_scaling_factor``.
+- top-k by k int64 max-reductions over keys that pack the order-preserving bits of the score with the expert
+  id (ties go to the lower id; the score comes back with the id), then renormalize (sum of the k weights)
+  and multiply by ``routed_scaling_factor``. Softmax without a bias ranks by the logits themselves (same
+  order) and exponentiates only the k winners (plus one sum over E when not renormalizing).
 
 Outputs: ``topk_weights`` float32 [M, k], ``topk_ids`` int32 [M, k]; every row < M is written.
 """
@@ -21,6 +23,18 @@ import triton
 import triton.language as tl
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
+
+
+@triton.jit
+def _ordered(x):
+    """float32 -> int32 whose signed order is the float order (NaN above +inf, as torch.topk ranks it)."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _unordered(o):
+    return tl.where(o < 0, o ^ 0x7FFFFFFF, o).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -38,19 +52,23 @@ def _route_kernel(
     ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :]
     x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
     neg_inf = float("-inf")
+    x_max = tl.max(x, axis=1)
 
-    if SCORING == 0:
-        x_max = tl.max(x, axis=1)
-        ex = tl.exp(x - x_max[:, None])
-        ex = tl.where(col_ok[None, :], ex, 0.0)
-        score = ex / tl.sum(ex, axis=1)[:, None]
-    elif SCORING == 1:
-        score = tl.sigmoid(x)
+    # ``choose`` ranks experts; ``value`` is what a chosen expert's weight is made of. Without a bias, softmax
+    # ranks like its logits (same denominator per row), so the full softmax is only needed with a bias.
+    if SCORING == 1:
+        value = tl.sigmoid(x)
     else:
-        score = x
-    choose = score
+        value = x
     if HAS_BIAS:
-        choose = choose + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SCORING == 0:
+            ex = tl.where(col_ok[None, :], tl.exp(x - x_max[:, None]), 0.0)
+            score = ex / tl.sum(ex, axis=1)[:, None]
+        else:
+            score = value
+        choose = score + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        choose = value
     choose = tl.where(col_ok[None, :], choose, neg_inf)
 
     if GROUPS > 1:
@@ -74,31 +92,53 @@ def _route_kernel(
         keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], [ROWS, GROUPS, PER]), [ROWS, E_PAD])
         choose = tl.where(keep_e, choose, neg_inf)
 
+    # One int64 max per pick: the ordered score in the high word, (E_PAD - 1 - id) in the low word, so the
+    # lower id wins a tie and the score comes back with the id.
+    key = (_ordered(choose).to(tl.int64) << 32) | (E_PAD - 1 - cols).to(tl.int64)[None, :]
+    low_mask = 0xFFFFFFFF
     kcols = tl.arange(0, K_PAD)
-    weights = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
+    picked = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
     ids = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
     for j in tl.static_range(K):
-        idx = tl.argmax(choose, axis=1, tie_break_left=True).to(tl.int32)
-        idx = tl.minimum(idx, E - 1)  # a row of NaN/-inf must still yield an in-range id
+        best = tl.max(key, axis=1)
+        idx = (E_PAD - 1 - (best & low_mask)).to(tl.int32)
+        idx = tl.minimum(tl.maximum(idx, 0), E - 1)  # a row of NaN must still yield an in-range id
         sel = cols[None, :] == idx[:, None]
-        val = tl.sum(tl.where(sel, score, 0.0), axis=1)
-        weights = tl.where(kcols[None, :] == j, val[:, None], weights)
+        if HAS_BIAS:
+            val = tl.sum(tl.where(sel, value, 0.0), axis=1)
+        else:
+            val = _unordered((best >> 32).to(tl.int32))
+        picked = tl.where(kcols[None, :] == j, val[:, None], picked)
         ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
-        choose = tl.where(sel, neg_inf, choose)
+        key = tl.where(sel, -9223372036854775807 - 1, key)
 
     k_ok = kcols < K
+    if SCORING == 1:
+        weights = picked
+    elif SCORING == 0:
+        weights = tl.exp(picked - x_max[:, None])
+        if not RENORM:
+            ex_all = tl.where(col_ok[None, :], tl.exp(x - x_max[:, None]), 0.0)
+            weights = weights / tl.sum(ex_all, axis=1)[:, None]
+    else:
+        top = tl.max(tl.where(k_ok[None, :], picked, neg_inf), axis=1)
+        weights = tl.exp(picked - top[:, None])
+    weights = tl.where(k_ok[None, :], weights, 0.0)
     if SCORING == 2:
-        wmax = tl.max(tl.where(k_ok[None, :], weights, neg_inf), axis=1)
-        ew = tl.where(k_ok[None, :], tl.exp(weights - wmax[:, None]), 0.0)
-        weights = ew / tl.sum(ew, axis=1)[:, None]
+        weights = weights / tl.sum(weights, axis=1)[:, None]
     elif RENORM:  # + 1e-20 as fusedmoe.routing: k scores that all underflow give 0, not NaN
-        weights = weights / (tl.sum(tl.where(k_ok[None, :], weights, 0.0), axis=1)[:, None] + 1e-20)
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * scale
 
     out = rows.to(tl.int64)[:, None] * K + kcols[None, :]
     mask = row_ok[:, None] & k_ok[None, :]
     tl.store(w_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
+
+
+#: Launch shape (rows per program, warps); None = automatic. Module attributes so benchmarks can sweep them.
+ROUTE_ROWS: int | None = None
+ROUTE_WARPS: int | None = None
 
 
 def kernel_supports(E: int, top_k: int, num_expert_groups: int | None) -> bool:
@@ -131,7 +171,7 @@ def route_fused(
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_pad = triton.next_power_of_2(E)
-    rows = max(1, min(8, 1024 // e_pad))  # a [rows, E] tile per program, reduced within one warp
+    rows = ROUTE_ROWS or max(1, min(4, 512 // e_pad))
     groups = num_expert_groups if (num_expert_groups or 1) > 1 else 1
     _route_kernel[(triton.cdiv(M, rows),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
@@ -140,6 +180,6 @@ def route_fused(
         SCORING=_SCORING[scoring], RENORM=bool(renormalize), HAS_BIAS=correction_bias is not None,
         GROUPS=groups, TOPK_GROUPS=topk_groups or 1,
         GROUP_RANK_TOP2=scoring == "sigmoid" or correction_bias is not None,
-        num_warps=1 if rows * e_pad <= 1024 else 4,
+        num_warps=ROUTE_WARPS or 4,
     )
     return weights, ids
