@@ -96,7 +96,10 @@ class TritonExperts(Experts):
         q = p.quant
         mode = q.mode if q is not None else None
         shape = q.block_shape if (q is not None and mode == "fp8_block") else None
-        cfg = get_config(p.M, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
+        # Configs are keyed by tokens for a layer holding all its experts. Under expert parallelism only
+        # E/global_E of the slots land here, so look up the token count with the same rows per local expert.
+        m_lookup = max(1, round(p.M * p.E / p.global_E)) if p.global_E > p.E else p.M
+        cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
                          device=device_name() if torch.cuda.is_available() else "cpu")
         ap = align_params(p.slots, p.E, cfg.block_m)
         launch = _Launch(cfg, ap, grid_blocks(p.slots, ap.max_blocks), mode,
