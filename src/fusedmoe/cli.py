@@ -36,6 +36,10 @@ def _parse_tokens(text: str) -> list[int]:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.mode == "decode":
+        from .bench import decode
+
+        return decode.main(args)
     if args.cpu or not torch.cuda.is_available():
         return _bench_strategies_cpu(args)
     if args.route:
@@ -96,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="backends, device and versions")
 
     bench = sub.add_parser("bench", help="benchmarks (GPU: kernel sweep; CPU: workspace strategies)")
+    bench.add_argument(
+        "mode", nargs="?", default="kernel", choices=("kernel", "decode"),
+        help="kernel: one layer call per backend over a token sweep; decode: an L-layer stack per strategy",
+    )
     bench.add_argument("--preset", default=None, help="model shape preset (see fusedmoe.presets)")
     bench.add_argument("--e", type=int, help="number of experts")
     bench.add_argument("--k", type=int, help="top-k")
@@ -104,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=_parse_tokens, help="comma-separated token counts")
     bench.add_argument("--dtype", default="bf16", help="bf16 or an fp8 mode: fp8_tensor, fp8_token, fp8_block")
     bench.add_argument("--backends", default=None, help="comma-separated backends to compare")
-    bench.add_argument("--layers", type=int, help="layers in the CPU strategy stack")
-    bench.add_argument("--steps", type=int, help="timed steps (CPU strategy bench)")
+    bench.add_argument("--layers", type=int, help="layers of the stack (decode; CPU strategy table)")
+    bench.add_argument("--steps", type=int, help="timed steps (decode; CPU strategy table)")
     bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")
     bench.add_argument("--eager", action="store_true", help="GPU: also time eager (host cost) per call")
     bench.add_argument("--profile", action="store_true", help="GPU: per-kernel device time (torch profiler)")

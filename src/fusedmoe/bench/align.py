@@ -30,12 +30,11 @@ def run(tokens: list[int], num_experts: int = 128, top_k: int = 8, block_m: int 
             )
             for _ in range(CALLS)
         ]
-        calls = [
-            (lambda i=i, b=b: moe_align(i, num_experts, block_m, **b)) for i, b in zip(ids, bufs, strict=True)
-        ]
+        calls = [(lambda i=i, b=b: moe_align(i, num_experts, block_m, **b)) for i, b in zip(ids, bufs, strict=True)]
         us = timing.graph_time_us(calls, replays=50)
-        results.append({"M": M, "E": num_experts, "top_k": top_k, "block_m": block_m, "us": us,
-                        "launches": 1 if p.fused else 2})
+        results.append(
+            {"M": M, "E": num_experts, "top_k": top_k, "block_m": block_m, "us": us, "launches": 1 if p.fused else 2}
+        )
     report.print_table(
         f"alignment alone (E={num_experts}, k={top_k}, BLOCK_M={block_m}), us per call in a CUDA graph",
         ["M", "us", "launches"],

@@ -44,3 +44,24 @@ def grouped_mm_moe(
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     return y.index_select(0, inv).view(M, k, H).sum(dim=1)
+
+
+def hf_experts(w1: torch.Tensor, w2: torch.Tensor, implementation: str):
+    """transformers' own experts module (Qwen3-MoE's, the standard [E,2I,H]/[E,H,I] layout, SwiGLU) running
+    ``implementation`` ("grouped_mm" or "batched_mm") on our weights; None when transformers is missing.
+
+    Call it as ``module(hidden [M, H], top_k_index int64 [M, k], top_k_weights [M, k] in the model dtype)``.
+    """
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except Exception:
+        return None
+    E, two_i, H = w1.shape
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=two_i // 2, num_experts=E, hidden_act="silu")
+    cfg._experts_implementation = implementation
+    with torch.device("meta"):
+        module = Qwen3MoeExperts(cfg)
+    module.gate_up_proj = torch.nn.Parameter(w1, requires_grad=False)
+    module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return module.eval()

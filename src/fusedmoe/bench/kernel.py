@@ -18,7 +18,7 @@ from ..api import fused_moe
 from ..routing import route
 from ..workspace.manager import WorkspaceManager
 from . import floors, report, timing
-from .baselines import grouped_mm_available, grouped_mm_moe
+from .baselines import grouped_mm_available, grouped_mm_moe, hf_experts
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 CALLS_PER_GRAPH = 10
@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     shape = shape_from_args(args)
     tokens = args.tokens or DEFAULT_TOKENS
-    backends = (args.backends or "triton,grouped_mm,torch").split(",")
+    backends = (args.backends or "triton,grouped_mm,hf_grouped_mm,hf_batched_mm,torch").split(",")
     env = report.environment()
     print(f"{env.get('gpu')} | torch {env['torch']} | triton {env.get('triton')} | commit {env.get('commit')}")
     ceil = floors.measure_ceilings(device)
@@ -114,8 +114,14 @@ def main(args: argparse.Namespace) -> int:
             fn = _make_call("triton", shape, x, w1, w2, quantized, expert_map, manager)
             breakdown = profile.kernel_breakdown(lambda fn=fn, lg=logits[0]: fn(lg))
             profile.print_breakdown(f"{shape.name} {args.dtype} M={M} (triton, eager)", breakdown)
-            results.append({"backend": "triton", "M": M, "profile": breakdown,
-                            "host_ops": profile.cpu_op_counts(lambda fn=fn, lg=logits[0]: fn(lg))})
+            results.append(
+                {
+                    "backend": "triton",
+                    "M": M,
+                    "profile": breakdown,
+                    "host_ops": profile.cpu_op_counts(lambda fn=fn, lg=logits[0]: fn(lg)),
+                }
+            )
             continue
         for backend in backends:
             fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager)
@@ -128,13 +134,21 @@ def main(args: argparse.Namespace) -> int:
                     row["us"], row["host_us"] = timing.eager_time_us(calls, repeats=2)
                     row["mode"] = "eager"
                 else:
-                    row["us"] = timing.graph_time_us(calls)
-                    row["mode"] = "graph"
-                    if args.eager:
+                    try:
+                        row["us"], row["mode"] = timing.graph_time_us(calls), "graph"
+                    except Exception as exc:  # not capturable (e.g. a host sync inside): time it eagerly
+                        if backend == "triton":
+                            raise
+                        torch.cuda.synchronize()
+                        row["graph_error"] = f"{type(exc).__name__}: {exc}"[:160]
+                        row["us"], row["host_us"] = timing.eager_time_us(calls, repeats=3)
+                        row["mode"] = "eager"
+                    if args.eager and row["mode"] == "graph":
                         row["eager_us"], row["host_us"] = timing.eager_time_us(calls, repeats=3)
             except Exception as exc:  # a baseline that cannot run this shape is reported, not fatal
                 row["error"] = f"{type(exc).__name__}: {exc}"[:200]
                 results.append(row)
+                torch.cuda.synchronize()
                 continue
             row["pct_floor"] = 100.0 * floor_us / row["us"]
             row["tb_s"] = bytes_moved / (row["us"] * 1e-6) / 1e12
@@ -160,7 +174,10 @@ def main(args: argparse.Namespace) -> int:
                     + [row.get(f"x_vs_{b}") for b in backends]
                 )
         torch.cuda.empty_cache()
-    title = f"{shape.name} {args.dtype}: routing + fused call, us per call (CUDA graph of {CALLS_PER_GRAPH})"
+    title = (
+        f"{shape.name} {args.dtype}: routing + fused call, us per call (CUDA graph of {CALLS_PER_GRAPH}; "
+        "* = not capturable, timed eagerly)"
+    )
     report.print_table(
         title,
         ["backend", "M", "us", "eager us", "floor us", "% floor", "TB/s", "TFLOP/s"] + [f"x vs {b}" for b in backends],
@@ -216,6 +233,20 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager)
         def call(lg):
             w, ids = route(lg, k, **routing)
             return grouped_mm_moe(x, w1, w2, w, ids)
+
+        return call
+    if backend in ("hf_grouped_mm", "hf_batched_mm"):
+        # batched_mm gathers one weight copy per slot: skip it where that would take more than 16 GB
+        slots_bytes = x.shape[0] * k * 3 * shape.hidden * shape.inter * 2
+        if expert_map is not None or (backend == "hf_batched_mm" and slots_bytes > 16e9):
+            return None
+        module = hf_experts(w1, w2, backend[3:])
+        if module is None:
+            return None
+
+        def call(lg):
+            w, ids = route(lg, k, **routing)
+            return module(x, ids.long(), w.to(x.dtype))
 
         return call
     raise SystemExit(f"unknown backend {backend!r}")

@@ -1,0 +1,65 @@
+"""The benchmark code paths on CPU: tiny shapes, asserting the properties the H200 tables report."""
+
+import pytest
+import torch
+
+from fusedmoe.bench import decode, floors, strategies
+from fusedmoe.bench.baselines import hf_experts
+from fusedmoe.reference import fused_moe_reference, relative_error
+from fusedmoe.routing import route
+
+
+def test_step_sizes_mix_decode_and_prefill():
+    """A decode run is mostly M in [1, 256] with at least one prefill chunk, and is reproducible."""
+    sizes = decode.step_sizes(48, seed=3)
+    assert sizes == decode.step_sizes(48, seed=3)
+    assert any(m >= 2048 for m in sizes) and sum(m <= 256 for m in sizes) >= 40
+    assert all(1 <= m <= 8192 for m in sizes)
+
+
+def test_decode_bench_properties_cpu():
+    """shared holds exactly the largest single-layer plan, per_layer the sum over layers; after warm-up
+    neither allocates; alloc_* allocate once per layer call; every eager strategy gives the same output."""
+    cfg = decode.StackConfig("tiny", 8, 2, 32, 16, 3, {})
+    res = decode.run(cfg, steps=6, device=torch.device("cpu"), dtype=torch.float32, backend="torch",
+                     progress=False)
+    rows = {r["strategy"]: r for r in res["strategies"]}
+    assert set(rows) == {"alloc_zeros", "alloc_empty", "per_layer", "shared"}
+    assert rows["shared"]["arena_bytes"] == rows["shared"]["largest_plan_bytes"]
+    assert rows["per_layer"]["arena_bytes"] == cfg.num_layers * rows["shared"]["arena_bytes"]
+    for s in ("shared", "per_layer"):
+        assert rows[s]["manager_allocs_per_step"] == 0 and rows[s]["growths"] == 0
+        assert rows[s]["bytes_zeroed_per_step"] == 0
+    assert rows["alloc_zeros"]["manager_allocs_per_step"] == cfg.num_layers
+    assert rows["alloc_zeros"]["bytes_zeroed_per_step"] > 0 and rows["alloc_empty"]["bytes_zeroed_per_step"] == 0
+    assert res["eager_outputs_bit_identical"]
+
+
+def test_strategy_table_cpu():
+    """The CPU `make bench` table: one row per strategy (caller buffers included), all bit-identical."""
+    shape = strategies.StackShape(8, 2, 32, 16, 2)
+    res = strategies.run(shape, [1, 5], steps=2, device=torch.device("cpu"), dtype=torch.float32, backend="torch")
+    assert [r["strategy"] for r in res] == ["alloc_zeros", "alloc_empty", "per_layer", "shared", "caller"]
+    assert all(r["bit_identical"] in (None, True) for r in res)
+    assert res[0]["zeroed_bytes_per_call"] > 0 and res[3]["allocs_per_call"] == 0
+
+
+def test_floor_is_the_larger_of_memory_and_compute():
+    c = floors.Ceilings(copy_tb_s=4.0, read_tb_s=4.0, bf16_tflops=800.0)
+    us, nbytes, bound = floors.layer_floor_us(8, 1, 8, 2048, 768, 2, c)
+    assert bound == "memory" and nbytes == 8 * 3 * 2048 * 768 * 2 + 2 * 2048 * 2
+    assert us == pytest.approx(nbytes / 4e12 * 1e6)
+    us, _, bound = floors.layer_floor_us(128, 16384, 8, 2048, 768, 2, c)
+    assert bound == "compute" and us == pytest.approx(2 * 16384 * 8 * 3 * 2048 * 768 / 800e12 * 1e6)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_transformers_baseline_computes_the_layer(impl):
+    """The transformers experts baseline of the kernel bench runs our weights correctly."""
+    E, H, I, M, k = 8, 40, 24, 9, 2
+    w1, w2, x = torch.randn(E, 2 * I, H) / 7, torch.randn(E, H, I) / 5, torch.randn(M, H)
+    w, ids = route(torch.randn(M, E), k)
+    module = hf_experts(w1, w2, impl)
+    if module is None:
+        pytest.skip("transformers not installed")
+    assert relative_error(module(x, ids.long(), w), fused_moe_reference(x, w1, w2, w, ids)) < 1e-5
