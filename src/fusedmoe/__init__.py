@@ -5,10 +5,16 @@ Public API: ``route``, ``fused_moe``, ``FusedMoE``, ``WorkspaceManager``, ``Quan
 """
 
 from .api import BACKENDS, fused_moe, get_kernel, resolve_backend
-from .experts import Experts, ExpertsInputs, TorchExperts
+from .experts import BatchedTorchExperts, Experts, ExpertsInputs, TorchExperts
 from .kernel import MoEKernel
 from .layer import FusedMoE
-from .prepare_finalize import LocalPrepareFinalize, PrepareFinalize
+from .prepare_finalize import (
+    AllToAllPrepareFinalize,
+    BatchedCapacityError,
+    BatchedPrepareFinalize,
+    LocalPrepareFinalize,
+    PrepareFinalize,
+)
 from .problem import Layout, MoEProblem
 from .quant import QuantConfig
 from .routing import route
@@ -33,15 +39,34 @@ def __getattr__(name):
         from .quant import quantize_weights
 
         return quantize_weights
+    if name == "BatchedTritonExperts":
+        from .experts.batched_triton_experts import BatchedTritonExperts
+
+        return BatchedTritonExperts
+    if name in ("Transport", "TorchDistributedTransport"):
+        from . import distributed
+
+        return getattr(distributed, name)
     if name == "TritonExperts":
         from .experts.triton_experts import TritonExperts
 
         return TritonExperts
+    if name == "fused_moe_op":  # the registered torch op (torch.ops.fusedmoe.fused_moe); see fusedmoe.op
+        from .op import fused_moe_op
+
+        return fused_moe_op
     raise AttributeError(f"module 'fusedmoe' has no attribute {name!r}")
 
 
 __all__ = [
+    "AllToAllPrepareFinalize",
     "BACKENDS",
+    "BatchedCapacityError",
+    "BatchedPrepareFinalize",
+    "BatchedTorchExperts",
+    "BatchedTritonExperts",
+    "TorchDistributedTransport",
+    "Transport",
     "STRATEGIES",
     "BufferSpec",
     "Experts",
@@ -63,6 +88,7 @@ __all__ = [
     "WorkspacePlan",
     "WorkspaceStats",
     "fused_moe",
+    "fused_moe_op",
     "get_kernel",
     "quantize_weights",
     "resolve_backend",

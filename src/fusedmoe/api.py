@@ -84,6 +84,8 @@ def fused_moe(
     workspace2: torch.Tensor | None = None,
     backend: str = "auto",
     checks: str | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply a Mixture-of-Experts layer to routed tokens.
 
@@ -91,7 +93,8 @@ def fused_moe(
         hidden_states: [M, H] float32 / float16 / bfloat16.
         w1: [E, 2I, H] gate rows then up rows (fp8 e4m3 with ``quant``). w2: [E, H, I].
         topk_weights: [M, k] float routing weights. topk_ids: [M, k] int32/int64 global expert ids.
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "swigluoai" (gpt-oss's clamped
+            SwiGLU: ``g * sigmoid(1.702 g) * (u + 1)``, ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)``).
         apply_router_weight_on_input: multiply the input rows by the routing weight instead of the outputs.
         expert_map: int32 [global_num_experts], global id -> local id or -1 (not on this rank: contributes 0).
         global_num_experts: size of the global id space (default: len(expert_map) or E).
@@ -102,6 +105,9 @@ def fused_moe(
             hidden_states' dtype (any shape, used as flat storage) or uint8. See docs/architecture.md.
         backend: "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch".
         checks: "full" also validates tensor values (one host sync); default from env FUSEDMOE_CHECKS.
+        w1_bias: optional [E, 2I] (gate then up) added to GEMM1's output before the activation.
+        w2_bias: optional [E, H] added to GEMM2's output before the routing weight multiplies it.
+            Both in hidden_states' dtype (gpt-oss; see fusedmoe.loading for its weight conversion).
 
     Returns:
         A new tensor [M, H] in hidden_states' dtype (never a view of the workspace).
@@ -122,6 +128,8 @@ def fused_moe(
         a1_scale=a1_scale,
         a2_scale=a2_scale,
         checks=checks,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
     )
     x = ExpertsInputs(
         hidden_states=hidden_states,
@@ -134,6 +142,8 @@ def fused_moe(
         w2_scale=w2_scale,
         a1_scale=a1_scale,
         a2_scale=a2_scale,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
     )
     return run_problem(x, p, backend=backend, workspace=workspace, workspace13=workspace13, workspace2=workspace2)
 

@@ -112,6 +112,8 @@ def check_fused_moe_args(
     a1_scale,
     a2_scale,
     checks: str | None = None,
+    w1_bias=None,
+    w2_bias=None,
 ) -> MoEProblem:
     """Validate ``fused_moe``'s arguments and describe the call as a :class:`MoEProblem`.
 
@@ -153,6 +155,7 @@ def check_fused_moe_args(
             f"w1/w2 dtype ({w1.dtype}, {w2.dtype}) must match hidden_states ({hidden_states.dtype}) unless quant is set"
         )
     check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device)
+    check_biases(w1_bias, w2_bias, E, I, H, device, hidden_states.dtype)
 
     _tensor("topk_ids", topk_ids)
     _tensor("topk_weights", topk_weights)
@@ -207,7 +210,21 @@ def check_fused_moe_args(
         apply_router_weight_on_input=apply_router_weight_on_input,
         has_expert_map=expert_map is not None,
         quant=quant,
+        has_bias=w1_bias is not None or w2_bias is not None,
     )
+
+
+def check_biases(w1_bias, w2_bias, E: int, I: int, H: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Expert biases (optional, independently): w1_bias [E, 2I], w2_bias [E, H], in hidden_states' dtype."""
+    for name, t, shape in (("w1_bias", w1_bias, (E, 2 * I)), ("w2_bias", w2_bias, (E, H))):
+        if t is None:
+            continue
+        _tensor(name, t)
+        _same_device(name, t, device)
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must have hidden_states' dtype {dtype}, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
 def _full_checks(topk_ids, topk_weights, expert_map, global_E: int, E: int) -> None:

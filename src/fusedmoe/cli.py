@@ -1,4 +1,4 @@
-"""Command line: ``fusedmoe info | bench | tune``."""
+"""Command line: ``fusedmoe info | bench | tune | demo``."""
 
 from __future__ import annotations
 
@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")
 
     sub.add_parser("tune", help="search kernel configs on this GPU and write a config file", add_help=False)
+
+    demo = sub.add_parser("demo", help="patch a small Qwen3-MoE (or a local checkpoint), generate, compare")
+    demo.add_argument("--model", default=None, help="local checkpoint path (default: random small Qwen3-MoE)")
+    demo.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    demo.add_argument("--prompt", type=int, default=16, help="prompt length (random token ids)")
+    demo.add_argument("--batch", type=int, default=1, help="sequences per batch")
     return parser
 
 
@@ -133,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
         return _info(args)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(args)
     return _bench(args)
 
 

@@ -59,6 +59,12 @@ class FusedMoE(nn.Module):
         device: torch.device | str | None = None,
         workspace: WorkspaceManager | None = None,
         backend: str = "auto",
+        expert_bias: bool = False,
+        router_bias: bool = False,
+        ep_group=None,
+        layout: str = "standard",
+        max_tokens_per_rank: int | None = None,
+        max_tokens_per_expert: int | None = None,
     ):
         super().__init__()
         E = positive_int("num_experts", num_experts)
@@ -88,9 +94,26 @@ class FusedMoE(nn.Module):
         self.workspace = workspace
         self.owner_key = f"FusedMoE#{next(_LAYER_IDS)}"  # per_layer arena key (no reference to self)
         factory = {"dtype": dtype, "device": device}
-        self.w1 = nn.Parameter(torch.empty(E, 2 * I, H, **factory), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, H, I, **factory), requires_grad=False)
+        # Expert parallelism (ep_group) / batched layout: see fusedmoe.distributed.LayerParallel. Rank r of W
+        # keeps experts [r*E/W, (r+1)*E/W); expert_map: global id -> local id, -1 elsewhere (None without EP).
+        self._parallel = None
+        if ep_group is not None or layout != "standard" or max_tokens_per_expert is not None:
+            from .distributed import LayerParallel
+
+            self._parallel = LayerParallel(E, ep_group, layout, max_tokens_per_rank, max_tokens_per_expert)
+            if self._parallel.world > 1 and expert_bias:
+                raise ValueError("expert biases are not supported with ep_group yet")
+        self.num_local_experts = self._parallel.local_experts if self._parallel is not None else E
+        emap = self._parallel.expert_map(device) if self._parallel is not None else None
+        self.register_buffer("expert_map", emap, persistent=False)
+        El = self.num_local_experts
+        self.w1 = nn.Parameter(torch.empty(El, 2 * I, H, **factory), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(El, H, I, **factory), requires_grad=False)
         self.gate = nn.Parameter(torch.empty(E, H, **factory), requires_grad=False)
+        # Optional biases (gpt-oss): router logits = x @ gate.T + gate_bias; w1_bias [E, 2I], w2_bias [E, H].
+        for name, shape, on in (("gate_bias", (E,), router_bias), ("w1_bias", (E, 2 * I), expert_bias),
+                                ("w2_bias", (E, H), expert_bias)):
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, **factory), False) if on else None)
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32, device=device))
         else:
@@ -136,17 +159,21 @@ class FusedMoE(nn.Module):
             M=num_tokens,
             H=self.hidden_size,
             I=self.intermediate_size,
-            E=E,
+            E=self.num_local_experts,
             global_E=E,
+            has_expert_map=self.expert_map is not None,
             top_k=self.top_k,
             dtype=dtype or self.w1.dtype,
             weight_dtype=self.w1.dtype,
             activation=self.activation,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
+            has_bias=self.w1_bias is not None or self.w2_bias is not None,
         )
 
     def plan(self, num_tokens: int, dtype: torch.dtype | None = None) -> WorkspacePlan:
         """The workspace plan of one forward over ``num_tokens`` tokens."""
+        if self._parallel is not None:
+            return self._parallel.plan(self, num_tokens, dtype)
         backend = resolve_backend(self.backend, self.w1.device)
         return get_kernel(backend).plan(self.problem(num_tokens, dtype))
 
@@ -158,7 +185,7 @@ class FusedMoE(nn.Module):
     def route(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None):
         """-> (topk_weights float32 [M, k], topk_ids int32 [M, k]) for flattened hidden_states [M, H]."""
         if router_logits is None:
-            router_logits = F.linear(hidden_states, self.gate)
+            router_logits = F.linear(hidden_states, self.gate, self.gate_bias)
         return route(
             router_logits.reshape(-1, self.num_experts),
             self.top_k,
@@ -188,12 +215,54 @@ class FusedMoE(nn.Module):
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
         topk_weights, topk_ids = self.route(x, router_logits)
-        p = self.problem(x.shape[0], x.dtype)
-        inputs = ExpertsInputs(x, self.w1, self.w2, topk_weights, topk_ids)
-        out = run_problem(inputs, p, backend=self.backend, workspace=self.workspace, owner=self.owner_key)
+        if self._parallel is not None:  # expert parallelism or the batched layout (fusedmoe.distributed)
+            out = self._parallel.forward(self, x, topk_weights, topk_ids)
+        elif torch.compiler.is_compiling():  # opaque registered op (fusedmoe.op); eager keeps the direct call
+            from .op import fused_moe_op
+
+            out = fused_moe_op(x, self.w1, self.w2, topk_weights, topk_ids, activation=self.activation,
+                               apply_router_weight_on_input=self.apply_router_weight_on_input,
+                               workspace=self.workspace, backend=self.backend, w1_bias=self.w1_bias,
+                               w2_bias=self.w2_bias, owner=self.owner_key)
+        else:
+            p = self.problem(x.shape[0], x.dtype)
+            inputs = ExpertsInputs(x, self.w1, self.w2, topk_weights, topk_ids, w1_bias=self.w1_bias,
+                                   w2_bias=self.w2_bias)
+            out = run_problem(inputs, p, backend=self.backend, workspace=self.workspace, owner=self.owner_key)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+    @classmethod
+    def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:
+        """A FusedMoE from a transformers MoE block or experts module (see :func:`fusedmoe.loading.from_hf`)."""
+        from .loading import from_hf
+
+        return from_hf(module, cls=cls, **kwargs)
+
+    @classmethod
+    def from_hf_state_dict(cls, state_dict, config, **kwargs) -> FusedMoE:
+        """A FusedMoE from one MoE block's transformers state dict (fused or per-expert layout; see
+        :func:`fusedmoe.loading.from_hf_state_dict`)."""
+        from .loading import from_hf_state_dict
+
+        return from_hf_state_dict(state_dict, config, cls=cls, **kwargs)
+
+    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+        """Copy full, all-expert weights (as a checkpoint holds them: w1 [E, 2I, H], w2 [E, H, I], gate [E, H])
+        into this layer, keeping only this rank's experts under expert parallelism (the router gate is global)."""
+        E, El = self.num_experts, self.num_local_experts
+        lo = self._parallel.rank * El if self._parallel is not None else 0
+        for name, full, shape in (("w1", w1, self.w1.shape[1:]), ("w2", w2, self.w2.shape[1:])):
+            if tuple(full.shape) != (E, *shape):
+                raise ValueError(f"{name} must have shape {[E, *shape]}, got {list(full.shape)}")
+        with torch.no_grad():
+            self.w1.copy_(w1[lo:lo + El])
+            self.w2.copy_(w2[lo:lo + El])
+            if gate is not None:
+                if tuple(gate.shape) != tuple(self.gate.shape):
+                    raise ValueError(f"gate must have shape {list(self.gate.shape)}, got {list(gate.shape)}")
+                self.gate.copy_(gate)
 
     def shared_experts(self, x: torch.Tensor) -> torch.Tensor:
         """The dense gated MLP of the shared experts, [M, H] -> [M, H]."""

@@ -9,7 +9,11 @@ import torch
 
 from .quant import QuantConfig
 
-ACTIVATIONS = ("silu", "gelu")
+ACTIVATIONS = ("silu", "gelu", "swigluoai")
+
+#: "swigluoai" (gpt-oss): ``(clamp(up, -L, L) + 1) * g * sigmoid(ALPHA * g)`` with ``g = min(gate, L)``.
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
 
 
 class Layout(Enum):
@@ -28,11 +32,14 @@ class MoEProblem:
         E: experts held locally (w1.shape[0]). global_E: experts of the whole model (ids range over it).
         top_k: experts per token. dtype: activation dtype (= hidden_states.dtype, = output dtype).
         weight_dtype: w1/w2 dtype (fp8 when quantized).
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "swigluoai" (gpt-oss's clamped
+            SwiGLU, see SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT).
         apply_router_weight_on_input: scale the input rows instead of the expert outputs.
         has_expert_map: an expert_map translates global ids to local ones (-1 = not on this rank).
         quant: fp8 settings or None.
         max_tokens_per_expert: batched layout only: rows per expert in the batched buffers.
+        has_bias: expert biases are given (w1_bias [E, 2I] added to GEMM1's output before the activation,
+            w2_bias [E, H] added to GEMM2's output before the routing weight).
     """
 
     M: int
@@ -48,6 +55,7 @@ class MoEProblem:
     has_expert_map: bool = False
     quant: QuantConfig | None = None
     max_tokens_per_expert: int = 0
+    has_bias: bool = False
 
     @property
     def slots(self) -> int:

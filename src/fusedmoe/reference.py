@@ -9,11 +9,14 @@ import math
 
 import torch
 
+from .problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from .quant import QuantConfig
 
 
 def activation_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """[rows, 2I] -> [rows, I]: silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU)."""
+    """[rows, 2I] -> [rows, I]: silu(gate) * up (SwiGLU), gelu_tanh(gate) * up (GeGLU) or gpt-oss's clamped
+    SwiGLU ``g * sigmoid(1.702 g) * (u + 1)`` with ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)`` ("swigluoai").
+    """
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if activation == "silu":
@@ -21,7 +24,11 @@ def activation_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor
     if activation == "gelu":
         c = math.sqrt(2.0 / math.pi)
         return 0.5 * gate * (1.0 + torch.tanh(c * (gate + 0.044715 * gate**3))) * up
-    raise ValueError(f"activation must be 'silu' or 'gelu', got {activation!r}")
+    if activation == "swigluoai":
+        g = gate.clamp(max=SWIGLUOAI_LIMIT)
+        u = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+        return g * torch.sigmoid(SWIGLUOAI_ALPHA * g) * (u + 1.0)
+    raise ValueError(f"activation must be 'silu', 'gelu' or 'swigluoai', got {activation!r}")
 
 
 def fused_moe_reference(
@@ -40,8 +47,13 @@ def fused_moe_reference(
     w2_scale: torch.Tensor | None = None,
     a1_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer in float64: ``out[t] = sum_j w[t,j] * W2[e] act(W1[e] x[t])`` over local experts ``e``.
+
+    With biases: ``out[t] = sum_j w[t,j] * (W2[e] act(W1[e] x[t] + b1[e]) + b2[e])`` (with
+    ``apply_router_weight_on_input`` the weight scales ``x[t]`` instead and ``b2`` is added unweighted).
 
     Same arguments as :func:`fusedmoe.fused_moe` minus the workspace ones. Slots whose id is outside
     ``[0, global_num_experts)`` or maps to -1 in ``expert_map`` contribute nothing. With ``quant``, weights are
@@ -74,6 +86,8 @@ def fused_moe_reference(
     else:
         valid &= local < E
     weights = topk_weights.to(torch.float64)
+    b1 = w1_bias.to(torch.float64) if w1_bias is not None else None
+    b2 = w2_bias.to(torch.float64) if w2_bias is not None else None
 
     # Activation quantization is modelled as the kernels do it: the input once over all M tokens, GEMM1's
     # output once over every local slot row (a per-tensor dynamic scale spans all experts).
@@ -87,7 +101,10 @@ def fused_moe_reference(
         a = x[tok]
         if apply_router_weight_on_input:
             a = a * weights[tok, slot, None]
-        groups.append((e, tok, slot, activation_reference(a @ w1f[e].T, activation)))
+        gate_up = a @ w1f[e].T
+        if b1 is not None:
+            gate_up = gate_up + b1[e]
+        groups.append((e, tok, slot, activation_reference(gate_up, activation)))
     if quant is not None and groups:
         h_all = _fake_quant(torch.cat([g[3] for g in groups]), quant, a2_scale)
         sizes = [g[3].shape[0] for g in groups]
@@ -96,6 +113,8 @@ def fused_moe_reference(
     out = torch.zeros(M, H, dtype=torch.float64, device=hidden_states.device)
     for e, tok, slot, h in groups:
         y = h @ w2f[e].T
+        if b2 is not None:
+            y = y + b2[e]
         if not apply_router_weight_on_input:
             y = y * weights[tok, slot, None]
         out.index_add_(0, tok, y)

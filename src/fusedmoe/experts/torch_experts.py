@@ -4,8 +4,8 @@ Algorithm (standard layout), every buffer from the plan:
   1. key each (token, slot) pair with its local expert (non-local or out-of-range ids -> key E, sorted last),
      stable-sort the keys, find each expert's segment with ``searchsorted``;
   2. gather the token rows in sorted order (scaled by the routing weight if it applies on the input);
-  3. per expert with tokens: GEMM1 into ``gate_up``, activation into ``act``, GEMM2 into ``y_sorted``;
-     rows of non-local slots are written as zeros;
+  3. per expert with tokens: GEMM1 (+ bias) into ``gate_up``, activation into ``act``, GEMM2 (+ bias) into
+     ``y_sorted``; rows of non-local slots are written as zeros;
   4. weight, un-permute into slot order, sum over top-k into the output.
 One host sync per call reads the segment offsets (so this backend is not CUDA-graph capturable; the Triton
 backend is).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..problem import Layout, MoEProblem
+from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Layout, MoEProblem
 from ..workspace.manager import Workspace
 from ..workspace.plan import BufferSpec, Phase
 from .base import Experts, ExpertsInputs
@@ -100,20 +100,32 @@ class TorchExperts(Experts):
             a.mul_(w_sorted[:, None])
 
         gate_up, act, y = ws["gate_up"], ws["act"], ws["y_sorted"]
+        b1, b2 = x.w1_bias, x.w2_bias
         for e in range(E):
             lo, hi = offsets[e], offsets[e + 1]
             if hi > lo:
-                torch.mm(a[lo:hi], x.w1[e].t(), out=gate_up[lo:hi])
+                if b1 is None:
+                    torch.mm(a[lo:hi], x.w1[e].t(), out=gate_up[lo:hi])
+                else:
+                    torch.addmm(b1[e], a[lo:hi], x.w1[e].t(), out=gate_up[lo:hi])
         act_n, gate, up = act[:n_local], gate_up[:n_local, :I], gate_up[:n_local, I:]
         if p.activation == "silu":
             torch.ops.aten.silu.out(gate, out=act_n)
-        else:
+        elif p.activation == "gelu":
             torch.ops.aten.gelu.out(gate, approximate="tanh", out=act_n)
+        else:  # swigluoai: g * sigmoid(alpha g) * (u + 1), g = min(gate, L), u = clamp(up, -L, L)
+            gate.clamp_(max=SWIGLUOAI_LIMIT)
+            up.clamp_(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT).add_(1.0)
+            torch.mul(gate, SWIGLUOAI_ALPHA, out=act_n)
+            act_n.sigmoid_().mul_(gate)
         act_n.mul_(up)
         for e in range(E):
             lo, hi = offsets[e], offsets[e + 1]
             if hi > lo:
-                torch.mm(act[lo:hi], x.w2[e].t(), out=y[lo:hi])
+                if b2 is None:
+                    torch.mm(act[lo:hi], x.w2[e].t(), out=y[lo:hi])
+                else:
+                    torch.addmm(b2[e], act[lo:hi], x.w2[e].t(), out=y[lo:hi])
         if not p.apply_router_weight_on_input:
             y[:n_local].mul_(w_sorted[:n_local, None])
         y[n_local:S].zero_()  # non-local slots contribute nothing: these rows are results, not a fill

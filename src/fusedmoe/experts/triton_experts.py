@@ -149,8 +149,6 @@ class TritonExperts(Experts):
     def apply(self, output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
         if p.M == 0:
             return
-        if x.w1_bias is not None or x.w2_bias is not None:
-            raise NotImplementedError("the Triton experts do not implement expert biases")
         L = self.launch(p)
         if L.static_scale and (x.a1_scale is None or x.a2_scale is None):
             raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
@@ -171,7 +169,8 @@ class TritonExperts(Experts):
         moe_gemm1(a, x.w1, act, sorted_ids, block_expert, top_k=k, num_blocks=L.num_blocks, config=cfg.gemm1,
                   activation=p.activation, topk_weights=weights if p.apply_router_weight_on_input else None,
                   quant_mode=mode, a_scale=a_scale, w_scale=self._w_scale(x.w1_scale, mode, E),
-                  block_shape=p.quant.block_shape if p.quant else (128, 128), fp32_ieee=self.fp32_ieee)
+                  block_shape=p.quant.block_shape if p.quant else (128, 128), fp32_ieee=self.fp32_ieee,
+                  bias=x.w1_bias)
 
         a2, a2_scale = act, None
         if mode is not None:
@@ -184,7 +183,8 @@ class TritonExperts(Experts):
         moe_gemm2(a2, x.w2, y, sorted_ids, block_expert, num_blocks=L.num_blocks, config=cfg.gemm2,
                   topk_weights=None if p.apply_router_weight_on_input else weights,
                   quant_mode=mode, a_scale=a2_scale, w_scale=self._w_scale(x.w2_scale, mode, E),
-                  block_shape=p.quant.block_shape if p.quant else (128, 128), fp32_ieee=self.fp32_ieee)
+                  block_shape=p.quant.block_shape if p.quant else (128, 128), fp32_ieee=self.fp32_ieee,
+                  bias=x.w2_bias)
         moe_reduce(y, ids, output, E, expert_map=emap, global_num_experts=gE)
 
     @staticmethod

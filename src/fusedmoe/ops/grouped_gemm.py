@@ -5,6 +5,10 @@
   accumulator, so the [M*k, 2I] GEMM1 output never exists in memory.
 - :func:`moe_gemm2`: ``y[slot, :] = (act[slot] @ w2[e].T) * topk_weight[slot]`` (weight unless applied on input).
 
+Optional expert biases (``HAS_BIAS``, a constexpr: without bias the kernels compile exactly as before): GEMM1 adds
+``b1[e, n]`` / ``b1[e, I + n]`` to the gate / up accumulators before the activation; GEMM2 adds ``b2[e, :]``
+before the routing weight multiplies the row.
+
 Programs whose block has expert -1 (past ``num_padded``) exit at once; non-local slots sit in no block, so
 their ``act`` / ``y`` rows are never written (the top-k reduce skips them by the same rule). Rows of a valid
 block whose sorted id is the sentinel are masked on load and store. Pointer offsets are int64.
@@ -23,7 +27,10 @@ import triton.language as tl
 from .configs import GemmConfig
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
-_ACTIVATIONS = {"silu": 0, "gelu": 1}
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}
+# gpt-oss's clamped SwiGLU (fusedmoe.problem.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)
+_SWIGLUOAI_ALPHA = tl.constexpr(1.702)
+_SWIGLUOAI_LIMIT = tl.constexpr(7.0)
 
 
 @triton.jit
@@ -49,6 +56,10 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 def _activate(gate, up, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:  # silu(g) * u
         return gate * tl.sigmoid(gate) * up
+    if ACTIVATION == 2:  # swigluoai: g * sigmoid(alpha g) * (u + 1), g = min(gate, L), u = clamp(up, -L, L)
+        g = tl.minimum(gate, _SWIGLUOAI_LIMIT)
+        u = tl.minimum(tl.maximum(up, -_SWIGLUOAI_LIMIT), _SWIGLUOAI_LIMIT)
+        return g * tl.sigmoid(_SWIGLUOAI_ALPHA * g) * (u + 1.0)
     # gelu_tanh(g) * u, using 0.5 * (1 + tanh(z)) == sigmoid(2z)
     z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
     return gate * tl.sigmoid(2.0 * z) * up
@@ -57,13 +68,14 @@ def _activate(gate, up, ACTIVATION: tl.constexpr):
 @triton.jit
 def _moe_gemm1(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
-    a_scale_ptr, w_scale_ptr,
+    a_scale_ptr, w_scale_ptr, bias_ptr,
     n_slots, N, K, top_k, num_pid_m,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
 ):
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
@@ -131,6 +143,10 @@ def _moe_gemm1(
         wt = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)
         acc_g = acc_g * wt[:, None]
         acc_u = acc_u * wt[:, None]
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + offs_nw * stride_bn).to(tl.float32)[None, :]
+        acc_u += tl.load(b_base + (offs_nw + N) * stride_bn).to(tl.float32)[None, :]
 
     act = _activate(acc_g, acc_u, ACTIVATION)
     o_ptrs = out_ptr + slot.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -140,13 +156,14 @@ def _moe_gemm1(
 @triton.jit
 def _moe_gemm2(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
-    a_scale_ptr, w_scale_ptr,
+    a_scale_ptr, w_scale_ptr, bias_ptr,
     n_slots, N, K, num_pid_m,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
 ):
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
@@ -196,6 +213,8 @@ def _moe_gemm2(
         a_s = tl.load(a_scale_ptr + row * stride_asm, mask=row_ok, other=0.0)
         w_s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + offs_nw * stride_wsn)
         acc = acc * a_s[:, None] * w_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_nw * stride_bn).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)[:, None]
 
@@ -218,6 +237,15 @@ def _scale_strides(quant_mode, a_scale, w_scale):
     if quant_mode == "fp8_token":
         return a_scale.stride(0), 0, w_scale.stride(0), w_scale.stride(1), 0
     return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
+
+
+def _bias_strides(bias):
+    return (0, 0) if bias is None else (bias.stride(0), bias.stride(1))
+
+
+def _check_bias(bias, shape):
+    if bias is not None and tuple(bias.shape) != shape:
+        raise ValueError(f"bias must have shape {list(shape)}, got {list(bias.shape)}")
 
 
 def _check_common(a, w, out, sorted_ids, block_expert, quant_mode, a_scale, w_scale, block_shape, cfg):
@@ -255,6 +283,7 @@ def moe_gemm1(
     w_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     fp32_ieee: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 with the gated activation fused; writes ``out`` rows of the slots in valid blocks.
 
@@ -266,12 +295,14 @@ def moe_gemm1(
         num_blocks: M blocks to launch (:func:`grid_blocks`).
         topk_weights: float32 [M, top_k]; if given, scales each slot's accumulators (router weight on input).
         a_scale, w_scale: fp8 scales (see module docstring for shapes per mode).
+        bias: [E, 2I] (gate then up), added to the accumulators before the activation.
     """
     _check_common(a, w1, out, sorted_ids, block_expert, quant_mode, a_scale, w_scale, block_shape, config)
     E, two_i, H = w1.shape
     I = two_i // 2
     if two_i != 2 * I or a.shape[-1] != H or out.shape[-1] != I or out.shape[0] != a.shape[0] * top_k:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
+    _check_bias(bias, (E, two_i))
     n_slots = out.shape[0]
     grid = (num_blocks * triton.cdiv(I, config.block_n),)
     if num_blocks == 0 or I == 0:
@@ -280,13 +311,14 @@ def moe_gemm1(
         a, w1, out, sorted_ids, block_expert,
         topk_weights if topk_weights is not None else a,
         a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,
+        bias if bias is not None else a,
         n_slots, I, H, top_k, num_blocks,
         a.stride(0), a.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), out.stride(0), out.stride(1),
-        *_scale_strides(quant_mode, a_scale, w_scale),
+        *_scale_strides(quant_mode, a_scale, w_scale), *_bias_strides(bias),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         QUANT=_QUANT_CODES[quant_mode], GROUP_N=block_shape[0], GROUP_K=block_shape[1],
         ACTIVATION=_ACTIVATIONS[activation], WEIGHT_ON_INPUT=topk_weights is not None,
-        IEEE=fp32_ieee and a.dtype == torch.float32, EVEN_K=H % config.block_k == 0,
+        IEEE=fp32_ieee and a.dtype == torch.float32, EVEN_K=H % config.block_k == 0, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -307,6 +339,7 @@ def moe_gemm2(
     w_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] = (128, 128),
     fp32_ieee: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM2: ``out[slot] = a[slot] @ w2[e].T`` (x topk_weights[slot] when given) for slots in valid blocks.
 
@@ -314,11 +347,13 @@ def moe_gemm2(
         a: [M*k, I] slot-indexed activations (e4m3 when quantized). w2: [E, H, I].
         out: [M*k, H] slot-indexed output, any float dtype.
         topk_weights: float32 [M, k] (flat index = slot) or None (weights applied on input).
+        bias: [E, H], added before the routing weight.
     """
     _check_common(a, w2, out, sorted_ids, block_expert, quant_mode, a_scale, w_scale, block_shape, config)
     E, H, I = w2.shape
     if a.shape[-1] != I or out.shape[-1] != H or a.shape[0] != out.shape[0]:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w2 {tuple(w2.shape)}, out {tuple(out.shape)}")
+    _check_bias(bias, (E, H))
     n_slots = out.shape[0]
     grid = (num_blocks * triton.cdiv(H, config.block_n),)
     if num_blocks == 0 or H == 0:
@@ -327,13 +362,14 @@ def moe_gemm2(
         a, w2, out, sorted_ids, block_expert,
         topk_weights if topk_weights is not None else a,
         a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,
+        bias if bias is not None else a,
         n_slots, H, I, num_blocks,
         a.stride(0), a.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        *_scale_strides(quant_mode, a_scale, w_scale),
+        *_scale_strides(quant_mode, a_scale, w_scale), *_bias_strides(bias),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         QUANT=_QUANT_CODES[quant_mode], GROUP_N=block_shape[0], GROUP_K=block_shape[1],
         MUL_WEIGHT=topk_weights is not None, IEEE=fp32_ieee and a.dtype == torch.float32,
-        EVEN_K=I % config.block_k == 0,
+        EVEN_K=I % config.block_k == 0, HAS_BIAS=bias is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -1,0 +1,220 @@
+"""The collective interface of expert parallelism, and the kernel that runs an expert-parallel call.
+
+:class:`Transport` is all the EP path needs from a communication library: exchange per-rank counts (the
+receiver learns how many rows each source sends), one variable-split all-to-all, and a max-reduce of a host
+integer (to size receive buffers when no static bound is configured). :class:`TorchDistributedTransport`
+implements it with ``torch.distributed`` (NCCL on GPUs, gloo on CPU: both support uneven and empty splits in
+``all_to_all_single``). A transport with device-side splits (torchcomms' ``device_alltoallv_single``) or
+NVSHMEM could implement the same methods and keep the count exchange on the device.
+
+Host synchronization: ``all_to_all_single`` takes its splits as host lists, so ``exchange_counts`` reads the
+counts on the host (one D2H sync per dispatch) and the EP path over ``torch.distributed`` is not CUDA-graph
+capturable (``ProcessGroupNCCL`` collectives also cannot be replayed safely). That is inherent to this transport,
+not to the prepare/finalize logic.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .experts.base import ExpertsInputs
+from .kernel import MoEKernel
+from .problem import MoEProblem
+from .workspace.manager import WorkspaceManager
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What expert parallelism needs from a communication backend."""
+
+    rank: int
+    world_size: int
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        """``send_counts``: int64 [world] on the data's device (rows this rank sends to each rank).
+        Returns (send counts, receive counts) as host lists (receive[r] = rows rank r sends here)."""
+        ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int],
+                   recv_splits: list[int]) -> None:
+        """Send ``input`` rows split by ``send_splits`` (to ranks 0..world-1), receive into ``output`` rows
+        split by ``recv_splits``. Both contiguous; splits may be zero."""
+        ...
+
+    def max_int(self, value: int, device: torch.device) -> int:
+        """The maximum of ``value`` over all ranks."""
+        ...
+
+
+class TorchDistributedTransport:
+    """:class:`Transport` over a ``torch.distributed`` process group (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def __repr__(self) -> str:
+        return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size})"
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        both = torch.empty((2, self.world_size), dtype=torch.int64, device=send_counts.device)
+        both[0].copy_(send_counts)
+        dist.all_to_all_single(both[1], both[0], group=self.group)
+        send, recv = both.tolist()  # the host sync of this transport
+        return send, recv
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int],
+                   recv_splits: list[int]) -> None:
+        if input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bool):  # not every backend has them
+            input, output = input.view(torch.uint8), output.view(torch.uint8)
+        dist.all_to_all_single(output, input, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                               group=self.group)
+
+    def max_int(self, value: int, device: torch.device) -> int:
+        t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+
+class ExpertParallelKernel(MoEKernel):
+    """A :class:`MoEKernel` whose prepare/finalize exchanges tokens between ranks.
+
+    Unlike the single-rank kernel it runs prepare and finalize even when this rank has no tokens (M = 0): the
+    other ranks may send it rows, and every rank must take part in every collective.
+    """
+
+    def __call__(self, x: ExpertsInputs, p: MoEProblem, *, manager: WorkspaceManager, owner: object = None,
+                 workspace13: torch.Tensor | None = None, workspace2: torch.Tensor | None = None) -> torch.Tensor:
+        if workspace13 is not None or workspace2 is not None:
+            raise ValueError("expert parallelism takes its scratch from a WorkspaceManager, not caller tensors")
+        hidden = x.hidden_states
+        output = torch.empty((p.M, p.H), dtype=hidden.dtype, device=hidden.device)
+        ws = manager.acquire(self.plan(p), owner)
+        prepared = self.prepare_finalize.prepare(x, p, ws)
+        inner = self.prepare_finalize.problem(p)
+        expert_out = self.prepare_finalize.expert_output(output, inner, ws)
+        self.experts.apply(expert_out, prepared, inner, ws)
+        self.prepare_finalize.finalize(output, expert_out, x, p, ws)
+        return output
+
+
+__all__ = ["ExpertParallelKernel", "TorchDistributedTransport", "Transport"]
+
+
+class LayerParallel:
+    """How a :class:`~fusedmoe.layer.FusedMoE` runs when it is expert-parallel or uses the batched layout.
+
+    Built by the layer from ``ep_group`` (a ``torch.distributed`` group, or any :class:`Transport`), ``layout``
+    ("standard" | "batched"), ``max_tokens_per_rank`` and ``max_tokens_per_expert``. Rank r of W keeps the
+    experts ``[r * E / W, (r + 1) * E / W)``. Without a configured ``max_tokens_per_rank`` every forward first
+    max-reduces M over the ranks (one small collective) and rounds it up to a power of two, so the receive
+    buffers and plans are reused across nearby batch sizes.
+    """
+
+    def __init__(self, num_experts: int, ep_group=None, layout: str = "standard",
+                 max_tokens_per_rank: int | None = None, max_tokens_per_expert: int | None = None):
+        from .problem import Layout
+
+        try:
+            self.layout = Layout(layout)
+        except ValueError:
+            raise ValueError(f"layout must be 'standard' or 'batched', got {layout!r}") from None
+        if ep_group is None:
+            self.transport = None
+        elif isinstance(ep_group, Transport) and not isinstance(ep_group, dist.ProcessGroup):
+            self.transport = ep_group
+        else:
+            self.transport = TorchDistributedTransport(ep_group)
+        self.world = self.transport.world_size if self.transport is not None else 1
+        self.rank = self.transport.rank if self.transport is not None else 0
+        if num_experts % self.world:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel world size "
+                             f"{self.world}")
+        for name, v in (("max_tokens_per_rank", max_tokens_per_rank),
+                        ("max_tokens_per_expert", max_tokens_per_expert)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.world
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_expert = max_tokens_per_expert
+        self._kernels: dict[tuple, MoEKernel] = {}
+
+    def expert_map(self, device=None) -> torch.Tensor | None:
+        if self.transport is None:
+            return None
+        from .prepare_finalize.all_to_all import contiguous_expert_map
+
+        return contiguous_expert_map(self.num_experts, self.rank, self.world, device)
+
+    def kernel(self, backend: str, cap: int) -> MoEKernel:
+        from .problem import Layout
+
+        key = (backend, cap)
+        k = self._kernels.get(key)
+        if k is None:
+            if self.layout == Layout.BATCHED:
+                if backend == "triton":
+                    from .experts.batched_triton_experts import BatchedTritonExperts
+
+                    experts = BatchedTritonExperts()
+                else:
+                    from .experts.batched_torch_experts import BatchedTorchExperts
+
+                    experts = BatchedTorchExperts()
+            else:
+                from .api import get_kernel
+
+                experts = get_kernel(backend).experts
+            if self.transport is None:
+                from .prepare_finalize.batched import BatchedPrepareFinalize
+
+                k = MoEKernel(BatchedPrepareFinalize(self.max_tokens_per_expert), experts)
+            else:
+                from .prepare_finalize.all_to_all import AllToAllPrepareFinalize
+
+                k = ExpertParallelKernel(AllToAllPrepareFinalize(
+                    self.transport, self.num_experts, cap, layout=self.layout,
+                    max_tokens_per_expert=self.max_tokens_per_expert), experts)
+            if len(self._kernels) > 64:
+                self._kernels.clear()
+            self._kernels[key] = k
+        return k
+
+    def cap(self, num_tokens: int, device: torch.device, collective: bool = True) -> int:
+        """The static bound on tokens per rank for this call."""
+        if self.transport is None:
+            return 0
+        if self.max_tokens_per_rank is not None:
+            return self.max_tokens_per_rank
+        m = self.transport.max_int(num_tokens, device) if collective else num_tokens
+        return 1 << max(0, (max(m, 1) - 1).bit_length())
+
+    def plan(self, layer, num_tokens: int, dtype=None):
+        from .api import resolve_backend
+
+        backend = resolve_backend(layer.backend, layer.w1.device)
+        cap = self.cap(num_tokens, layer.w1.device, collective=False)
+        return self.kernel(backend, cap).plan(layer.problem(num_tokens, dtype))
+
+    def forward(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from .api import resolve_backend
+
+        backend = resolve_backend(layer.backend, x.device)
+        cap = self.cap(x.shape[0], x.device)
+        kernel = self.kernel(backend, cap)
+        p = layer.problem(x.shape[0], x.dtype)
+        reason = kernel.experts.supports(kernel.prepare_finalize.problem(p))
+        if reason is not None:
+            raise ValueError(f"backend {kernel.experts.name!r} cannot run this problem: {reason}")
+        inputs = ExpertsInputs(x, layer.w1, layer.w2, topk_weights, topk_ids, expert_map=layer.expert_map)
+        return kernel(inputs, p, manager=layer.manager, owner=layer.owner_key)
+
+
+__all__ += ["LayerParallel"]

@@ -1,0 +1,1 @@
+"""Integrations with model libraries: :mod:`fusedmoe.integrations.hf` (transformers >= 5)."""
