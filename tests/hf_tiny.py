@@ -1,0 +1,76 @@
+"""Tiny random-initialised transformers MoE models (offline), shared by the tests/test_hf_*.py files."""
+
+from __future__ import annotations
+
+import torch
+
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+
+CONFIGS = {
+    "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, head_dim=16),
+    "qwen2_moe": dict(intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=None, pad_token_id=1),
+    "deepseek_v2": dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=2.0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=0),
+    "deepseek_v3": dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16,
+                        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        first_k_dense_replace=1, num_hidden_layers=3, norm_topk_prob=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+
+ARCHS = tuple(CONFIGS)
+
+
+def tiny_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    kw = dict(COMMON)
+    kw.update(CONFIGS[model_type])
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Unit-scale random weights (std 1/sqrt(fan_in)), random biases and correction biases: the experts then
+    move every logit, so an error in them cannot hide under the residual stream."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                continue
+            std = p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.5
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    return model
+
+
+def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg)
+    randomize_(model, seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def prompt(batch: int = 2, length: int = 12, seed: int = 1, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, COMMON["vocab_size"], (batch, length), generator=g).to(device)

@@ -1,0 +1,184 @@
+"""fusedmoe in transformers models on the GPU: bf16 equivalence, torch.compile, CUDA-graph capture and replay
+with a frozen arena, and a growth request after freeze that raises instead of corrupting memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from hf_tiny import ARCHS, prompt, tiny_model  # noqa: E402
+
+from fusedmoe import FusedMoE, WorkspaceFrozenError, WorkspaceManager  # noqa: E402
+from fusedmoe.integrations import hf  # noqa: E402
+from fusedmoe.reference import relative_error  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+BF16_TOL = 2e-2
+
+
+def _logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits.float()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    hf.register()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_patch_model(arch):
+    model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
+    ids = prompt(device=DEV)
+    ref = _logits(model, ids)
+    manager = hf.patch_model(model)
+    block = next(m for m in model.modules() if isinstance(m, hf.FusedMoEBlock))
+    from fusedmoe.api import resolve_backend
+
+    assert resolve_backend(block.moe.backend, block.moe.w1.device) == "triton"
+    assert relative_error(_logits(model, ids), ref) < BF16_TOL
+    assert manager.stats.calls > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_set_experts_implementation(arch):
+    model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
+    ids = prompt(device=DEV)
+    ref = _logits(model, ids)
+    model.set_experts_implementation("fusedmoe")
+    manager = hf.attach_workspace(model)
+    assert relative_error(_logits(model, ids), ref) < BF16_TOL
+    assert manager.stats.calls > 0
+
+
+def test_fp32_greedy_tokens_on_gpu():
+    model = tiny_model("qwen3_moe", device=DEV)
+    ids = prompt(batch=1, device=DEV)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        hf.patch_model(model)
+        out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["patch", "register"])
+def test_compile_fullgraph_bf16(mode):
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16, device=DEV)
+    ids = prompt(device=DEV)
+    ref = _logits(model, ids, use_cache=False)
+    if mode == "patch":
+        manager = hf.patch_model(model)
+    else:
+        model.set_experts_implementation("fusedmoe")
+        manager = hf.attach_workspace(model)
+    compiled = torch.compile(model, fullgraph=True)
+    assert relative_error(_logits(compiled, ids, use_cache=False), ref) < BF16_TOL
+    assert manager.stats.calls > 0
+
+
+def test_opcheck_gpu():
+    from fusedmoe import route
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    M, H, I, E, k = 33, 256, 128, 16, 4
+    x = torch.randn(M, H, device=DEV, generator=g, dtype=torch.bfloat16)
+    w1 = torch.randn(E, 2 * I, H, device=DEV, generator=g, dtype=torch.bfloat16) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEV, generator=g, dtype=torch.bfloat16) / I**0.5
+    b1 = torch.randn(E, 2 * I, device=DEV, generator=g, dtype=torch.bfloat16)
+    b2 = torch.randn(E, H, device=DEV, generator=g, dtype=torch.bfloat16)
+    tw, ti = route(torch.randn(M, E, device=DEV, generator=g), k)
+    torch.library.opcheck(torch.ops.fusedmoe.fused_moe.default, (x, w1, w2, tw, ti))
+    torch.library.opcheck(torch.ops.fusedmoe.fused_moe.default, (x, w1, w2, tw, ti, b1, b2, "swigluoai"))
+
+
+class _Stack(nn.Module):
+    """4 MoE layers with residuals and RMS norms, all on one workspace manager."""
+
+    def __init__(self, manager, layers=4, E=16, k=4, H=256, I=128):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            FusedMoE(E, k, H, I, dtype=torch.bfloat16, device=DEV, workspace=manager, num_shared_experts=1)
+            for _ in range(layers)
+        )
+        self.norms = nn.ModuleList(nn.RMSNorm(H, device=DEV, dtype=torch.bfloat16) for _ in range(layers))
+
+    def forward(self, x):
+        for norm, layer in zip(self.norms, self.layers):
+            x = x + layer(norm(x))
+        return x
+
+
+def _capture(fn, static_in, manager, slot="graph"):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), manager.slot(slot):
+        for _ in range(2):  # warm-up: configs, launch caches, views
+            fn(static_in)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with manager.slot(slot), torch.cuda.graph(graph):
+        static_out = fn(static_in)
+    return graph, static_out
+
+
+def test_cuda_graph_4_layers_frozen_arena_then_growth_refused():
+    manager = WorkspaceManager(DEV)
+    torch.manual_seed(0)
+    model = _Stack(manager).eval()
+    max_tokens, H = 64, 256
+    g = torch.Generator(device=DEV).manual_seed(1)
+    inputs = [torch.randn(max_tokens, H, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    with torch.no_grad():
+        eager = [model(x) for x in inputs]  # default slot, before freezing
+
+    for layer in model.layers:
+        manager.reserve(layer.plan(max_tokens), owner=layer.owner_key, slot="graph")
+    reserved = manager.stats.reserved_bytes
+    manager.freeze()
+    static_in = inputs[0].clone()
+    with torch.no_grad():
+        graph, static_out = _capture(model, static_in, manager)
+    for x, ref in zip(inputs, eager):
+        static_in.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, ref)
+    assert manager.stats.reserved_bytes == reserved
+
+    with torch.no_grad(), manager.slot("graph"), pytest.raises(WorkspaceFrozenError, match="bytes"):
+        model(torch.randn(8 * max_tokens, H, device=DEV, dtype=torch.bfloat16))
+    static_in.copy_(inputs[1])  # the refused request left the arena (and the graph) intact
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager[1])
+    assert manager.stats.reserved_bytes == reserved
+
+
+def test_cuda_graph_patched_hf_model():
+    """Whole forward of a patched 4-layer Qwen3-MoE (no KV cache) captured once, replayed with new ids."""
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16, device=DEV, num_hidden_layers=4)
+    manager = hf.patch_model(model)
+    batch, length = 2, 16
+    ids = [prompt(batch, length, seed=s, device=DEV) for s in range(3)]
+    with torch.no_grad():
+        eager = [model(i, use_cache=False).logits for i in ids]
+    hf.reserve_workspace(model, batch * length, slot="graph")
+    manager.freeze()
+    static_ids = ids[0].clone()
+
+    def fwd(i):
+        return model(i, use_cache=False).logits
+
+    with torch.no_grad():
+        graph, static_out = _capture(fwd, static_ids, manager)
+    for i, ref in zip(ids, eager):
+        static_ids.copy_(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(static_out, ref) < 1e-2
+    manager.unfreeze()

@@ -1,0 +1,192 @@
+"""fusedmoe inside transformers models (float32, CPU): patch_model and the registered experts implementation
+against the unpatched models, for every supported architecture."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_tiny import ARCHS, prompt, tiny_config, tiny_model  # noqa: E402
+
+from fusedmoe import WorkspaceManager  # noqa: E402
+from fusedmoe.integrations import hf  # noqa: E402
+from fusedmoe.reference import relative_error  # noqa: E402
+
+TOL = 1e-5
+NEW_TOKENS = 32
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _greedy(model, ids):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[:, ids.shape[1]:]
+
+
+def _moe_blocks(model):
+    return [m for m in model.modules() if isinstance(m, hf.FusedMoEBlock)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    hf.register()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patch_model_matches_transformers(arch):
+    model = tiny_model(arch)
+    ids = prompt()
+    ref_logits = _logits(model, ids)
+    ref_tokens = _greedy(model, ids[:1])
+    n_blocks = sum(type(m).__name__ in hf.PATCHABLE_BLOCKS for m in model.modules())
+
+    manager = hf.patch_model(model)
+    blocks = _moe_blocks(model)
+    assert len(blocks) == n_blocks > 0
+    assert all(b.moe.workspace is manager for b in blocks)  # one manager for the whole model
+    logits = _logits(model, ids)
+    assert relative_error(logits, ref_logits) < TOL
+    assert torch.equal(_greedy(model, ids[:1]), ref_tokens)
+    assert manager.stats.calls > 0 and manager.stats.device_allocations >= 1
+
+    assert hf.unpatch_model(model) == n_blocks
+    assert not _moe_blocks(model)
+    assert torch.equal(_logits(model, ids), ref_logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patched_block_matches_original_block(arch):
+    """Block level, many tokens (every expert hit), router and shared experts included."""
+    model = tiny_model(arch)
+    hf.patch_model(model)
+    block = _moe_blocks(model)[0]
+    x = torch.randn(3, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, ref = block(x), block.original(x)
+    if isinstance(ref, tuple):  # gpt-oss returns (hidden, router_scores)
+        assert isinstance(out, tuple)
+        out, ref = out[0], ref[0]
+    assert out.shape == ref.shape
+    assert relative_error(out, ref) < TOL
+    assert ref.norm() > 0.1 * x.norm()  # the experts matter: a wrong one could not hide
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_set_experts_implementation(arch):
+    model = tiny_model(arch)
+    ids = prompt()
+    ref_logits = _logits(model, ids)
+    ref_tokens = _greedy(model, ids[:1])
+    model.set_experts_implementation("fusedmoe")
+    manager = hf.attach_workspace(model)
+    logits = _logits(model, ids)
+    assert manager.stats.calls > 0  # fusedmoe really ran
+    assert relative_error(logits, ref_logits) < TOL
+    assert torch.equal(_greedy(model, ids[:1]), ref_tokens)
+    model.set_experts_implementation("eager")
+    calls = manager.stats.calls
+    _logits(model, ids)
+    assert manager.stats.calls == calls
+
+
+def test_from_config_experts_implementation():
+    from transformers import AutoModelForCausalLM
+
+    ref = tiny_model("qwen3_moe")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), experts_implementation="fusedmoe").eval()
+    model.load_state_dict(ref.state_dict())
+    assert model.config._experts_implementation == "fusedmoe"
+    manager = hf.attach_workspace(model, WorkspaceManager("cpu"))
+    ids = prompt()
+    assert relative_error(_logits(model, ids), _logits(ref, ids)) < TOL
+    assert manager.stats.calls == model.config.num_hidden_layers
+
+
+def test_from_pretrained_experts_implementation(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = tiny_model("mixtral")
+    ref.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="fusedmoe").eval()
+    assert model.config._experts_implementation == "fusedmoe"
+    ids = prompt()
+    assert relative_error(_logits(model, ids), _logits(ref, ids)) < TOL
+
+
+def test_experts_function_contract():
+    """int64 index, model-dtype weights, dense [T, E] weights; returns [T, H] in hidden's dtype."""
+    model = tiny_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    T, H, E, k = 7, model.config.hidden_size, model.config.num_experts, 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int64)
+    w = torch.rand(T, k, generator=g)
+    model.set_experts_implementation("eager")
+    with torch.no_grad():
+        ref = experts(x, idx, w)
+        out = hf.fusedmoe_experts_forward(experts, x, idx, w)
+        dense = torch.zeros(T, E).scatter(1, idx, w)
+        out_dense = hf.fusedmoe_experts_forward(experts, x, idx, dense)
+    assert out.dtype == x.dtype and out.shape == (T, H)
+    assert relative_error(out, ref) < TOL
+    assert relative_error(out_dense, ref) < TOL
+
+
+def test_gpt_oss_conversion_is_cached_and_refreshed():
+    model = tiny_model("gpt_oss")
+    model.set_experts_implementation("fusedmoe")
+    experts = model.model.layers[0].mlp.experts
+    ids = prompt()
+    _logits(model, ids)
+    first = experts.__dict__[hf._CACHE_ATTR][1][0]
+    _logits(model, ids)
+    assert experts.__dict__[hf._CACHE_ATTR][1][0] is first  # converted once
+    with torch.no_grad():
+        experts.down_proj_bias.add_(1.0)  # in-place update bumps the version: the cache follows
+    model.set_experts_implementation("eager")
+    ref = _logits(model, ids)
+    model.set_experts_implementation("fusedmoe")
+    assert relative_error(_logits(model, ids), ref) < TOL
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs the interpreter")
+def test_triton_backend_gpt_oss_block():
+    """gpt-oss's biases and clamped SwiGLU through the Triton kernels (CPU interpreter)."""
+    model = tiny_model("gpt_oss")
+    hf.patch_model(model, backend="triton")
+    block = _moe_blocks(model)[0]
+    x = torch.randn(1, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out, ref = block(x)[0], block.original(x)[0]
+    assert relative_error(out, ref) < TOL
+
+
+def test_patch_model_errors():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    with pytest.raises(ValueError, match="no MoE block"):
+        hf.patch_model(dense)
+    with pytest.raises(NotImplementedError, match="hidden_act"):
+        hf.patch_model(tiny_model("mixtral", hidden_act="relu"))
+
+
+def test_patch_model_given_workspace_and_unpatch_idempotent():
+    model = tiny_model("olmoe")
+    mgr = WorkspaceManager("cpu", strategy="per_layer")
+    assert hf.patch_model(model, mgr) is mgr
+    _logits(model, prompt())
+    assert mgr.stats.calls == model.config.num_hidden_layers
+    assert hf.unpatch_model(model) == model.config.num_hidden_layers
+    assert hf.unpatch_model(model) == 0
