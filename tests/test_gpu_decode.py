@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fusedmoe
-from fusedmoe.api import get_kernel
+from fusedmoe.api import get_kernel, set_decode_path
 from fusedmoe.ops import decode
 from fusedmoe.reference import fused_moe_reference, relative_error
 
@@ -12,12 +12,11 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def decode_on(monkeypatch):
-    monkeypatch.setattr(decode, "ENABLED", True)
-    get_kernel("triton").experts._launches.clear()
+def decode_on():
+    was = decode.ENABLED
+    set_decode_path(True)
     yield
-    monkeypatch.undo()
-    get_kernel("triton").experts._launches.clear()
+    set_decode_path(was)
 
 
 def _problem(M, E=128, k=8, H=2048, I=768, seed=0):

@@ -60,3 +60,22 @@ def test_decode_supported_bounds():
     assert not decode_supported(MAX_DECODE_SLOTS + 1, None, "silu", False)
     assert not decode_supported(0, None, "silu", False)
     assert not decode_supported(8, "fp8_token", "silu", False) and not decode_supported(8, None, "silu", True)
+
+
+def test_triton_experts_use_the_decode_path_when_enabled(device):
+    """With the switch on, a decode-sized call plans only ``act`` and still matches the reference (poisoned)."""
+    import fusedmoe
+    from fusedmoe.api import get_kernel, set_decode_path
+    from fusedmoe.ops import decode
+
+    was = decode.ENABLED
+    set_decode_path(True)
+    try:
+        x, w1, w2, w, ids = _problem(2, 8, 4, 40, 24, device)
+        p = fusedmoe.MoEProblem(2, 40, 24, 8, 8, 4, torch.float32, torch.float32)
+        assert [b.name for b in get_kernel("triton").plan(p).buffers] == ["act"]
+        mgr = fusedmoe.WorkspaceManager(device, poison=True)
+        out = fusedmoe.fused_moe(x, w1, w2, w, ids, backend="triton", workspace=mgr)
+        assert relative_error(out, fused_moe_reference(x, w1, w2, w, ids)) < 1e-5
+    finally:
+        set_decode_path(was)

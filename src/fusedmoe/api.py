@@ -44,6 +44,18 @@ def get_kernel(backend: str) -> MoEKernel:
     return kernel
 
 
+def set_decode_path(enabled: bool) -> None:
+    """Switch the Triton backend's two-launch decode path (``ops/decode.py``) on or off for this process
+    (default: env ``FUSEDMOE_DECODE_PATH=1``); drops the cached plans and launch parameters that depend on it."""
+    from .ops import decode
+
+    decode.ENABLED = bool(enabled)
+    kernel = _KERNELS.get("triton")
+    if kernel is not None:
+        kernel._plans.clear()
+        kernel.experts._launches.clear()
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``auto`` picks Triton on CUDA devices and the torch experts elsewhere."""
     if backend not in BACKENDS:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import decode
 from ..ops.align import AlignParams, align_params, moe_align
 from ..ops.configs import MoEConfig, device_name, get_config
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
@@ -43,6 +44,7 @@ class _Launch:
     quant_mode: str | None
     static_scale: bool
     group_k: int
+    decode: bool = False  # the two-launch decode path (ops/decode.py) serves this problem
 
 
 class TritonExperts(Experts):
@@ -104,7 +106,8 @@ class TritonExperts(Experts):
         ap = align_params(p.slots, p.E, cfg.block_m)
         launch = _Launch(cfg, ap, grid_blocks(p.slots, ap.max_blocks), mode,
                          bool(q is not None and q.static_activation_scale),
-                         q.block_shape[1] if q is not None else 128)
+                         q.block_shape[1] if q is not None else 128,
+                         decode.ENABLED and decode.decode_supported(p.slots, mode, p.activation, p.has_bias))
         if len(self._launches) > 4096:
             self._launches.clear()
         self._launches[key] = launch
@@ -119,6 +122,8 @@ class TritonExperts(Experts):
         L = self.launch(p)
         S, M, H, I = p.slots, p.M, p.H, p.I
         i32, f32, dt = torch.int32, torch.float32, p.dtype
+        if L.decode:  # no alignment, no [M*k, H] buffer: GEMM2 reduces over top-k in registers
+            return [BufferSpec("act", (S, I), dt, Phase.GEMM1, Phase.GEMM2, region="2")]
         ap = L.align
         specs = [
             BufferSpec("sorted_ids", (ap.max_padded,), i32, Phase.ALIGN, Phase.GEMM2),
@@ -156,6 +161,11 @@ class TritonExperts(Experts):
         ids = x.topk_ids if x.topk_ids.is_contiguous() else x.topk_ids.contiguous()
         emap = x.expert_map
         weights = x.topk_weights
+        if L.decode:
+            decode.moe_decode(x.hidden_states, x.w1, x.w2, weights.contiguous(), ids, output, ws["act"],
+                              expert_map=emap, global_num_experts=gE, activation=p.activation,
+                              apply_router_weight_on_input=p.apply_router_weight_on_input)
+            return
         sorted_ids, block_expert = ws["sorted_ids"], ws["block_expert"]
         moe_align(ids, E, cfg.block_m, expert_map=emap, global_num_experts=gE, sorted_ids=sorted_ids,
                   block_expert=block_expert, num_padded=ws["num_padded"],
