@@ -173,7 +173,7 @@ def run_problem(
     """Run a validated problem through the chosen backend's kernel (used by fused_moe and FusedMoE)."""
     device = x.hidden_states.device
     kernel = get_kernel(resolve_backend(backend, device))
-    reason = kernel.experts.supports(p)
+    reason = kernel.unsupported(p)
     if reason is not None:
         raise ValueError(f"backend {kernel.experts.name!r} cannot run this problem: {reason}")
     manager = _manager_for(workspace, device)

@@ -28,9 +28,18 @@ class MoEKernel:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self._plans: dict[MoEProblem, WorkspacePlan] = {}
+        self._unsupported: dict[MoEProblem, str | None] = {}
 
     def __repr__(self) -> str:
         return f"MoEKernel({type(self.prepare_finalize).__name__}, {type(self.experts).__name__})"
+
+    def unsupported(self, p: MoEProblem) -> str | None:
+        """Why the experts cannot run ``p`` (None if they can); cached per problem, it is on the hot path."""
+        try:
+            return self._unsupported[p]
+        except KeyError:
+            reason = self._unsupported[p] = self.experts.supports(p)
+            return reason
 
     def plan(self, p: MoEProblem) -> WorkspacePlan:
         plan = self._plans.get(p)

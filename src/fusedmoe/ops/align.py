@@ -54,6 +54,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._util import cdiv, next_pow2
+
 #: Up to this many slots: one single-program launch with [S, S] slot-pair reductions (S <= 64 keeps them cheap).
 PAIRS_MAX_SLOTS = int(os.environ.get("FUSEDMOE_ALIGN_PAIRS_MAX", "64"))
 #: Up to this many slots: one multi-program launch, every program histogramming all slots.
@@ -266,17 +268,17 @@ def align_params(n_slots: int, num_experts: int, block_m: int) -> AlignParams:
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     max_padded = max_padded_size(n_slots, num_experts, block_m)
-    max_blocks = triton.cdiv(max_padded, block_m)
-    e_pad = triton.next_power_of_2(num_experts)
+    max_blocks = cdiv(max_padded, block_m)
+    e_pad = next_pow2(num_experts)
     common = (n_slots, num_experts, block_m, max_padded, max_blocks)
     if n_slots <= min(PAIRS_MAX_SLOTS, 1024):
-        s = max(16, triton.next_power_of_2(max(n_slots, 1)))
+        s = max(16, next_pow2(max(n_slots, 1)))
         warps = 1 if s <= 32 else 2 if s <= 64 else 4 if s <= 128 else 8
         return AlignParams(*common, True, 1, max(n_slots, 1), s, e_pad, "pairs", warps)
-    sub = min(MAX_SUB, max(MIN_SUB, triton.next_power_of_2(triton.cdiv(n_slots, TARGET_PROGRAMS))))
-    per_prog = triton.cdiv(triton.cdiv(n_slots, sub), MAX_PROGRAMS)
+    sub = min(MAX_SUB, max(MIN_SUB, next_pow2(cdiv(n_slots, TARGET_PROGRAMS))))
+    per_prog = cdiv(cdiv(n_slots, sub), MAX_PROGRAMS)
     span = per_prog * sub
-    n_prog = triton.cdiv(n_slots, span)
+    n_prog = cdiv(n_slots, span)
     if n_slots <= SINGLE_MAX_SLOTS:
         warps = 8 if n_slots > 4096 or sub >= 128 else 4
         return AlignParams(*common, True, n_prog, span, sub, e_pad, "single", warps)
@@ -347,9 +349,9 @@ def moe_align(
     num_padded = buf(num_padded, (1,))
     map_arg = expert_map if expert_map is not None else topk_ids
     has_map = expert_map is not None
-    pw = min(triton.next_power_of_2(block_m), 64)
+    pw = min(next_pow2(block_m), 64)
     if p.mode == "pairs":
-        bb = min(triton.next_power_of_2(p.max_blocks), _TILE)
+        bb = min(next_pow2(p.max_blocks), _TILE)
         _align_pairs[(1,)](topk_ids, map_arg, sorted_ids, block_expert, num_padded, n, global_num_experts,
                            num_experts, p.max_blocks, HAS_MAP=has_map, S=p.sub, BLOCK_M=block_m,
                            PW=min(pw, max(1, _TILE // p.sub)), BB=bb, num_warps=p.num_warps)
@@ -363,13 +365,13 @@ def moe_align(
                                   HAS_MAP=has_map, SUB=p.sub, E_PAD=p.e_pad, PDL=pdl, num_warps=4)
     else:
         partial = sorted_ids  # unused
-    ec = min(triton.next_power_of_2(triton.cdiv(num_experts, p.n_prog)), max(1, _TILE // pw))
-    bb = min(triton.next_power_of_2(triton.cdiv(p.max_blocks, p.n_prog)), _TILE)
-    rows = min(triton.next_power_of_2(p.n_prog), max(1, 8192 // p.e_pad))
+    ec = min(next_pow2(cdiv(num_experts, p.n_prog)), max(1, _TILE // pw))
+    bb = min(next_pow2(cdiv(p.max_blocks, p.n_prog)), _TILE)
+    rows = min(next_pow2(p.n_prog), max(1, 8192 // p.e_pad))
     _align_scatter[(p.n_prog,)](
         topk_ids, map_arg, partial, sorted_ids, block_expert, num_padded,
         n, global_num_experts, num_experts, p.span, p.n_prog, p.max_blocks,
-        HAS_MAP=has_map, SINGLE=p.mode == "single", N_ALL=triton.next_power_of_2(n), SUB=p.sub, E_PAD=p.e_pad,
+        HAS_MAP=has_map, SINGLE=p.mode == "single", N_ALL=next_pow2(n), SUB=p.sub, E_PAD=p.e_pad,
         BLOCK_M=block_m, ROWS=rows, EC=ec, PW=pw, BB=bb, PDL=pdl, num_warps=p.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )

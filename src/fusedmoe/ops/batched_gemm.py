@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import cdiv
 from .configs import GemmConfig
 from .grouped_gemm import _activate, _mma
 
@@ -161,7 +162,7 @@ def _launch(a, w, out, counts, N, K, gated, activation, config, quant_mode, a_sc
     E, T = a.shape[0], a.shape[1]
     if E == 0 or T == 0 or N == 0:
         return out
-    grid = (E * triton.cdiv(T, config.block_m) * triton.cdiv(N, config.block_n),)
+    grid = (E * cdiv(T, config.block_m) * cdiv(N, config.block_n),)
     _batched_gemm[grid](
         a, w, out, counts,
         a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..quant import FP8_DTYPE
+from ._util import cdiv, next_pow2
 from .quantize import _fp8_scale, _to_fp8, scale_shape
 
 _MODES = {"fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
@@ -135,19 +136,19 @@ def batched_quantize(
         raise ValueError("scale_out is required for dynamic scales")
     if R == 0:
         return out, scale
-    block_k = group_k if mode == 3 else max(16, min(1024, triton.next_power_of_2(K)))
+    block_k = group_k if mode == 3 else max(16, min(1024, next_pow2(K)))
     C = _chunks(E, T)
     n_part = E * C
     if dynamic:
         if partial is None or partial.numel() < n_part:
             raise ValueError(f"dynamic fp8_tensor needs a float32 partial buffer of {n_part} entries")
-        _batched_absmax_partial[(n_part,)](x, expert_num_tokens, partial, T, K, C, triton.cdiv(T, C), x.stride(0),
+        _batched_absmax_partial[(n_part,)](x, expert_num_tokens, partial, T, K, C, cdiv(T, C), x.stride(0),
                                            BLOCK_R=4, BLOCK_K=min(block_k, 256), num_warps=4)
     sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
     _batched_quant_rows[(R,)](
         x, out, scale, expert_num_tokens, partial if dynamic else x, n_part, T, K,
         x.stride(0), out.stride(0), sm, sk,
-        MODE=mode, DYNAMIC=dynamic, BLOCK_K=block_k, P_PAD=triton.next_power_of_2(n_part),
+        MODE=mode, DYNAMIC=dynamic, BLOCK_K=block_k, P_PAD=next_pow2(n_part),
         ROUND_IN_FP32=x.device.type == "cpu", num_warps=4,
     )
     return out, scale

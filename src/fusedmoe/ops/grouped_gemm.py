@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import cdiv
 from .configs import GemmConfig
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
@@ -304,7 +305,7 @@ def moe_gemm1(
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, two_i))
     n_slots = out.shape[0]
-    grid = (num_blocks * triton.cdiv(I, config.block_n),)
+    grid = (num_blocks * cdiv(I, config.block_n),)
     if num_blocks == 0 or I == 0:
         return out
     _moe_gemm1[grid](
@@ -355,7 +356,7 @@ def moe_gemm2(
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w2 {tuple(w2.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, H))
     n_slots = out.shape[0]
-    grid = (num_blocks * triton.cdiv(H, config.block_n),)
+    grid = (num_blocks * cdiv(H, config.block_n),)
     if num_blocks == 0 or H == 0:
         return out
     _moe_gemm2[grid](

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from ._util import cdiv, next_pow2
 from .align import _local_expert
 
 _MODES = {"fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
@@ -128,7 +129,7 @@ def scale_shape(quant_mode: str, rows: int, K: int, group_k: int = 128) -> tuple
         return (1,)
     if quant_mode == "fp8_token":
         return (rows, 1)
-    return (rows, triton.cdiv(K, group_k))
+    return (rows, cdiv(K, group_k))
 
 
 def quantize_activation(
@@ -186,12 +187,12 @@ def quantize_activation(
     ids_arg = topk_ids if has_ids else x
     map_arg = expert_map if expert_map is not None else ids_arg
     gE, E = (global_num_experts or 0), (num_experts or 0)
-    block_k = group_k if mode == 3 else max(16, min(1024, triton.next_power_of_2(K)))
+    block_k = group_k if mode == 3 else max(16, min(1024, next_pow2(K)))
     n_part = num_partials(R)
     if dynamic:
         if partial is None:
             partial = torch.empty(n_part, dtype=torch.float32, device=x.device)
-        rpp = triton.cdiv(R, n_part)
+        rpp = cdiv(R, n_part)
         _absmax_partial[(n_part,)](x, ids_arg, map_arg, partial, R, K, rpp, gE, E, x.stride(0),
                                    HAS_IDS=has_ids, HAS_MAP=expert_map is not None,
                                    BLOCK_R=4, BLOCK_K=min(block_k, 256), num_warps=4)
@@ -200,7 +201,7 @@ def quantize_activation(
         x, out, scale, ids_arg, map_arg, partial if dynamic else x, n_part, K, gE, E,
         x.stride(0), out.stride(0), sm, sk,
         MODE=mode, DYNAMIC=dynamic, HAS_IDS=has_ids, HAS_MAP=expert_map is not None,
-        BLOCK_K=block_k, P_PAD=triton.next_power_of_2(n_part), ROUND_IN_FP32=x.device.type == "cpu",
+        BLOCK_K=block_k, P_PAD=next_pow2(n_part), ROUND_IN_FP32=x.device.type == "cpu",
         num_warps=4,
     )
     return out, scale

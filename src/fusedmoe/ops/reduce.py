@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import cdiv, next_pow2
 from .align import _local_expert
 
 
@@ -31,7 +32,7 @@ def _moe_reduce(y_ptr, ids_ptr, map_ptr, out_ptr, H, global_E, E,
 
 
 def reduce_block_h(H: int) -> int:
-    return max(16, min(1024, triton.next_power_of_2(H)))
+    return max(16, min(1024, next_pow2(H)))
 
 
 def moe_reduce(
@@ -63,7 +64,7 @@ def moe_reduce(
     if global_num_experts is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
     bh = reduce_block_h(H)
-    _moe_reduce[(M, triton.cdiv(H, bh))](
+    _moe_reduce[(M, cdiv(H, bh))](
         y, topk_ids, expert_map if expert_map is not None else topk_ids, out, H, global_num_experts, num_experts,
         y.stride(0), out.stride(0),
         TOP_K=k, HAS_MAP=expert_map is not None, BLOCK_H=bh, num_warps=4,

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import cdiv, next_pow2
+
 _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
 
@@ -146,7 +148,7 @@ def kernel_supports(E: int, top_k: int, num_expert_groups: int | None) -> bool:
     if E > 1024 or top_k > 32:
         return False
     if num_expert_groups is not None and num_expert_groups > 1:
-        e_pad = triton.next_power_of_2(E)
+        e_pad = next_pow2(E)
         return e_pad == E and E % num_expert_groups == 0 and (num_expert_groups & (num_expert_groups - 1)) == 0
     return True
 
@@ -170,13 +172,13 @@ def route_fused(
     if M == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    e_pad = triton.next_power_of_2(E)
+    e_pad = next_pow2(E)
     rows = ROUTE_ROWS or max(1, min(4, 512 // e_pad))
     groups = num_expert_groups if (num_expert_groups or 1) > 1 else 1
-    _route_kernel[(triton.cdiv(M, rows),)](
+    _route_kernel[(cdiv(M, rows),)](
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         M, E, logits.stride(0), float(routed_scaling_factor),
-        K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, ROWS=rows,
+        K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, ROWS=rows,
         SCORING=_SCORING[scoring], RENORM=bool(renormalize), HAS_BIAS=correction_bias is not None,
         GROUPS=groups, TOPK_GROUPS=topk_groups or 1,
         GROUP_RANK_TOP2=scoring == "sigmoid" or correction_bias is not None,
