@@ -80,20 +80,22 @@ def test_batched_poison_under_cuda_graph_replay(quant):
     p = _problem(x, w1, ids, q)
     kern = _kernel()
     mgr = WorkspaceManager(DEV)
-    mgr.reserve(kern.plan(p))
+    with mgr.slot("graph"):  # warm-up and capture run on a side stream: name the slot so they share the arena
+        mgr.reserve(kern.plan(p))
     mgr.freeze()
     xs, tws, idss = x.clone(), tw.clone(), ids.clone()
     inp = ExpertsInputs(xs, w1, w2, tws, idss, **kw)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s), mgr.slot("graph"):
         for _ in range(2):
             kern(inp, p, manager=mgr)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = kern(inp, p, manager=mgr)
     torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kern(inp, p, manager=mgr)
-    ws = mgr.acquire(kern.plan(p))
+    with mgr.slot("graph"):
+        ws = mgr.acquire(kern.plan(p))
     for seed in (2, 3, 4):
         x2, _, _, tw2, ids2, _, _ = _case(M, H, I, E, k, None, seed=seed)
         if seed == 4:  # expert 3 gets every token; the other slots avoid it (distinct ids per token)
