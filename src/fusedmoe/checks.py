@@ -176,8 +176,10 @@ def check_fused_moe_args(
         _same_device("expert_map", expert_map, device)
         if expert_map.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"expert_map must be an int32 tensor [global_num_experts], got {expert_map.dtype}")
-        if expert_map.dim() != 1:
-            raise ValueError(f"expert_map must be 1-D [global_num_experts], got shape {list(expert_map.shape)}")
+        if expert_map.dim() != 1 or expert_map.shape[0] == 0:
+            raise ValueError(
+                f"expert_map must be 1-D and non-empty [global_num_experts], got shape {list(expert_map.shape)}"
+            )
     if global_num_experts is None:
         global_E = expert_map.shape[0] if expert_map is not None else E
     else:

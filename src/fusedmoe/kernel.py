@@ -82,6 +82,8 @@ class MoEKernel:
                     "w2_scale",
                     "a1_scale",
                     "a2_scale",
+                    "w1_bias",
+                    "w2_bias",
                 )
             },
         )

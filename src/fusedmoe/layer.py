@@ -87,7 +87,11 @@ class FusedMoE(nn.Module):
             routed_scaling_factor=routed_scaling_factor,
         )
         # Validate routing settings once, on an empty batch (no data, no sync).
-        route(torch.empty(0, E), k, **self.routing)
+        route(torch.empty(0, E), k, correction_bias=torch.zeros(E) if correction_bias else None, **self.routing)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype (weights are float), got {dtype!r}")
+        if shared_intermediate_size is not None:
+            positive_int("shared_intermediate_size", shared_intermediate_size)
         self.activation = activation
         self.apply_router_weight_on_input = bool(apply_router_weight_on_input)
         self.backend = backend
@@ -202,6 +206,10 @@ class FusedMoE(nn.Module):
             )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
+        if router_logits is not None and not isinstance(router_logits, torch.Tensor):
+            raise TypeError(f"router_logits must be a torch.Tensor or None, got {type(router_logits).__name__}")
+        if router_logits is not None and router_logits.device != x.device:
+            raise ValueError(f"router_logits is on {router_logits.device} but hidden_states is on {x.device}")
         if router_logits is not None and router_logits.shape[-1] != self.num_experts:
             raise ValueError(
                 f"router_logits must end in num_experts={self.num_experts}, got {list(router_logits.shape)}"

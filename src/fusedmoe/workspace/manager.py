@@ -142,7 +142,10 @@ class WorkspaceManager:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must name a torch device (e.g. 'cuda', 'cuda:1', 'cpu'), got {device!r}") from e
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -199,14 +202,27 @@ class WorkspaceManager:
         Reservation is exact (no bucket rounding) and grow-only. Returns the arena's capacity in bytes
         (0 for the per-call strategies, which keep nothing).
         """
+        sizes = []
+        for p in plans:
+            if isinstance(p, WorkspacePlan):
+                sizes.append(p.nbytes)
+            elif isinstance(p, int) and not isinstance(p, bool):
+                if p < 0:
+                    raise ValueError(f"reserve() takes plans or byte counts >= 0, got {p} bytes")
+                sizes.append(p)
+            else:
+                raise TypeError(f"reserve() takes WorkspacePlan objects or byte counts, got {type(p).__name__}")
         if self.strategy not in ("per_layer", "shared"):
             return 0
-        need = max((p if isinstance(p, int) else p.nbytes for p in plans), default=0)
+        need = max(sizes, default=0)
         key = self._key(owner, slot)
         arena = self._arenas.get(key)
         if arena is None or arena.nbytes < need:
             self._check_growth(need, arena)
-            self._replace(key, arena, need)
+            try:
+                self._replace(key, arena, need)
+            except RuntimeError as e:  # out of memory, or more bytes than the allocator can address
+                raise WorkspaceError(f"could not reserve {need} bytes on {self.device}: {e}") from e
         return self._arenas[key].nbytes if key in self._arenas else 0
 
     def _check_growth(self, need: int, arena: _Arena | None) -> None:
@@ -218,11 +234,13 @@ class WorkspaceManager:
             )
 
     def _replace(self, key: object, old: _Arena | None, nbytes: int) -> _Arena:
+        """Swap in a larger arena. The new one is allocated first, so a failed allocation leaves the manager
+        exactly as it was (at the price of holding both arenas for a moment)."""
+        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if old is not None:
             self.stats.reserved_bytes -= old.nbytes
             del self._arenas[key]
             del old
-        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         arena = _Arena(data)
         self._arenas[key] = arena
         self.stats.reserved_bytes += nbytes
@@ -243,15 +261,6 @@ class WorkspaceManager:
         Zero-requiring buffers are zeroed (and counted); in poison mode every view is poisoned first.
         """
         nbytes = plan.nbytes
-        if self.strategy in ("per_layer", "shared"):
-            key = self._key(owner, None)
-            held = self._arenas.get(key)
-            if held is None or held.nbytes < nbytes:
-                self._check_growth(nbytes, held)  # before any state changes: a refused call leaves no trace
-        self.stats.calls += 1
-        if nbytes > self.stats.peak_bytes:
-            self.stats.peak_bytes = nbytes
-        self.stats.plan_bytes[owner] = nbytes
         if self.strategy in ("alloc_zeros", "alloc_empty"):
             arena = None
             if nbytes:
@@ -263,7 +272,10 @@ class WorkspaceManager:
                     self.stats.zero_fills += 1
             views = make_views(plan, arena)
         else:
+            key = self._key(owner, None)
+            held = self._arenas.get(key)
             if held is None or held.nbytes < nbytes:
+                self._check_growth(nbytes, held)  # a refused or failed growth leaves no trace
                 held = self._replace(key, held, bucket_bytes(nbytes))
                 self.stats.growths += 1
             cached = held.views.get(id(plan))
@@ -273,6 +285,10 @@ class WorkspaceManager:
                 cached = (plan, make_views(plan, held.data))
                 held.views[id(plan)] = cached
             arena, views = held.data, cached[1]
+        self.stats.calls += 1
+        if nbytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = nbytes
+        self.stats.plan_bytes[owner] = nbytes
         ws = Workspace(plan, views, arena)
         self.prepare_views(ws)
         return ws

@@ -1,0 +1,306 @@
+"""Hardening, part 5: concurrency. Work that may overlap must not share arena bytes.
+
+CPU: two threads using two explicit slots of one manager get correct results from disjoint arenas. To make the
+test able to fail, the two calls are forced to interleave at the worst point: each thread stops right before
+its first GEMM, after it has sorted, gathered (torch) or aligned (Triton) into its arena, and waits for the
+other to get there too. With distinct slots both results are right; the control runs the same schedule with
+one deliberately shared slot and must see a wrong result (the detector works). GPU (``-m gpu``): two CUDA
+streams with the default, stream-keyed slots run a layer stack concurrently, bit-identical to a sequential run,
+from two disjoint arenas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import pytest
+import torch
+
+from fusedmoe import FusedMoE, WorkspaceManager, fused_moe
+from fusedmoe.ops.configs import MoEConfig, pinned_config
+from fusedmoe.reference import fused_moe_reference, relative_error
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
+# (backend, Triton decode path on?): the two-launch decode path serves calls of <= 16 slots when switched on
+BACKENDS = [pytest.param("torch", False, id="torch"), pytest.param("triton", False, id="triton", marks=_interp),
+            pytest.param("triton", True, id="triton-decode", marks=_interp)]
+H, I, E, K = 40, 24, 4, 2
+TIMEOUT = 60
+
+
+def args(M: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(M, H, generator=g),
+        "w1": torch.randn(E, 2 * I, H, generator=g) / H**0.5,
+        "w2": torch.randn(E, H, I, generator=g) / I**0.5,
+        "topk_weights": torch.rand(M, K, generator=g) + 0.1,
+        "topk_ids": torch.rand(M, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32),
+    }
+
+
+def correct(out: torch.Tensor, a: dict) -> bool:
+    return relative_error(out, fused_moe_reference(*a.values())) < 1e-5
+
+
+def record_arenas(mgr: WorkspaceManager, log: list):
+    """Wrap ``mgr.acquire`` to log (slot, first byte, end byte) of every arena handed out."""
+    real = mgr.acquire
+
+    def acquire(plan, owner=None):
+        ws = real(plan, owner)
+        a = ws.arena
+        log.append((mgr.current_slot(), a.data_ptr(), a.data_ptr() + a.numel()))
+        return ws
+
+    mgr.acquire = acquire
+
+
+def run_threads(fns, barrier: threading.Barrier | None = None) -> list:
+    results: list = [None] * len(fns)
+    errors: list = []
+
+    def wrap(i, fn):
+        try:
+            results[i] = fn()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            if barrier is not None:
+                barrier.abort()  # do not leave the other thread waiting
+
+    threads = [threading.Thread(target=wrap, args=(i, f)) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+class Launch:
+    """Stands in for a @triton.jit kernel in its module: ``kernel[grid](...)`` runs ``around`` around the launch."""
+
+    def __init__(self, real, around):
+        self.real, self.around = real, around
+
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            with self.around():
+                return self.real[grid](*a, **k)
+
+        return launch
+
+
+@contextlib.contextmanager
+def decode_path(on: bool):
+    """Switch the Triton decode path on or off for the duration (restoring the process setting)."""
+    from fusedmoe.api import set_decode_path
+    from fusedmoe.ops import decode
+
+    old = decode.ENABLED
+    set_decode_path(on)
+    try:
+        yield
+    finally:
+        set_decode_path(old)
+
+
+def pause_before_first_gemm(monkeypatch, backend: str, barrier: threading.Barrier) -> None:
+    """Each thread, at its first GEMM of the call (the decode path: its second launch, which reads the first's
+    output from the arena), waits until the other thread got there too."""
+    local = threading.local()
+
+    def wait_once():
+        if not getattr(local, "paused", False):
+            local.paused = True
+            barrier.wait(TIMEOUT)
+
+    if backend == "torch":
+        import fusedmoe.experts.torch_experts as mod
+
+        class PausingTorch:  # the torch module as torch_experts sees it, with a pausing mm
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+            @staticmethod
+            def mm(*a, **k):
+                wait_once()
+                return torch.mm(*a, **k)
+
+        monkeypatch.setattr(mod, "torch", PausingTorch())
+    else:
+        # The Triton CPU interpreter is not thread-safe, so interpreted launches are serialized by a lock; the
+        # threads still interleave between launches, which is where arena sharing would show.
+        import fusedmoe.experts.triton_experts as mod
+
+        lock = threading.Lock()
+
+        def serialized(name, pause):
+            real = getattr(mod, name)
+
+            def op(*a, **k):
+                if pause:
+                    wait_once()
+                with lock:
+                    return real(*a, **k)
+
+            monkeypatch.setattr(mod, name, op)
+
+        for name in ("moe_align", "moe_gemm1", "moe_gemm2", "moe_reduce", "quantize_activation"):
+            serialized(name, name == "moe_gemm1")
+
+        from fusedmoe.ops import decode
+
+        @contextlib.contextmanager
+        def locked(pause=False):
+            if pause:
+                wait_once()
+            with lock:
+                yield
+
+        monkeypatch.setattr(decode, "_decode_gemm1", Launch(decode._decode_gemm1, locked))
+        monkeypatch.setattr(decode, "_decode_gemm2", Launch(decode._decode_gemm2, lambda: locked(pause=True)))
+
+
+def interleaved_pair(monkeypatch, backend: str, slots: tuple[str, str], poison: bool, decode: bool):
+    """Two same-shape calls (7 tokens x top-2: 14 slots, on the decode path when it is switched on) with different
+    data, forced to interleave; returns (outputs, inputs, arena log)."""
+    mgr = WorkspaceManager("cpu", poison=poison)
+    for slot in set(slots):
+        # Size each slot's arena first: the manager is not thread-safe while an arena grows (two threads growing
+        # one slot at once each allocate an arena, and one is orphaned), so growth is kept out of the race.
+        with mgr.slot(slot):
+            mgr.reserve(1 << 20)
+    log: list = []
+    record_arenas(mgr, log)
+    barrier = threading.Barrier(2)
+    pause_before_first_gemm(monkeypatch, backend, barrier)
+    inputs = [args(7, seed=10), args(7, seed=11)]
+
+    def call(i):
+        def fn():
+            with pinned_config(MoEConfig.simple(16, 32, 32)), mgr.slot(slots[i]):
+                return fused_moe(**inputs[i], backend=backend, workspace=mgr)
+        return fn
+
+    with decode_path(decode):
+        outs = run_threads([call(0), call(1)], barrier)
+    return outs, inputs, log
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["plain", "poison"])
+@pytest.mark.parametrize("backend,decode", BACKENDS)
+def test_two_slots_survive_a_worst_case_interleaving(backend, decode, poison, monkeypatch):
+    outs, inputs, log = interleaved_pair(monkeypatch, backend, ("slot-a", "slot-b"), poison, decode)
+    assert all(correct(o, a) for o, a in zip(outs, inputs))
+    (sa, a0, a1), (sb, b0, b1) = sorted(log, key=lambda r: r[0])
+    assert {sa, sb} == {"slot-a", "slot-b"}
+    assert a1 <= b0 or b1 <= a0, "the two slots' arenas overlap"
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["plain", "poison"])
+@pytest.mark.parametrize("backend,decode", BACKENDS)
+def test_control_a_deliberately_shared_slot_is_detected(backend, decode, poison, monkeypatch):
+    """The same schedule with both calls in one slot: the test's detector must fire (a result is wrong and the
+    two calls were served the same bytes). This is what the test above would see if slots were shared."""
+    outs, inputs, log = interleaved_pair(monkeypatch, backend, ("same", "same"), poison, decode)
+    assert log[0][1:] == log[1][1:]
+    assert not all(correct(o, a) for o, a in zip(outs, inputs)), "sharing a slot went unnoticed"
+
+
+def test_many_calls_from_two_threads_in_two_slots():
+    """Free-running: two threads, 25 calls each of varying M, own slots of one poisoned manager; every result is
+    right, each slot keeps to its own arena(s), and no arena of one slot overlaps one of the other."""
+    mgr = WorkspaceManager("cpu", poison=True)
+    log: list = []
+    record_arenas(mgr, log)
+    start = threading.Barrier(2)
+
+    def worker(slot, seed):
+        def fn():
+            start.wait(TIMEOUT)
+            bad = 0
+            with mgr.slot(slot):
+                for j in range(25):
+                    a = args(1 + (7 * j + seed) % 97, seed=seed * 1000 + j)
+                    bad += not correct(fused_moe(**a, backend="torch", workspace=mgr), a)
+            return bad
+        return fn
+
+    assert run_threads([worker("a", 1), worker("b", 2)]) == [0, 0]
+    assert mgr.stats.calls == 50
+    # A grown-away arena's bytes may be recycled by the allocator for the other slot later; only arenas live at
+    # the same time matter, and the last one of each slot is live now.
+    assert {r[0] for r in log} == {"a", "b"}
+    last = {s: [r for r in log if r[0] == s][-1] for s in ("a", "b")}
+    (_, a0, a1), (_, b0, b1) = last["a"], last["b"]
+    assert a1 <= b0 or b1 <= a0
+
+
+def test_slot_choice_does_not_leak_across_threads():
+    """A slot chosen in one thread is not the slot of another thread running at the same time."""
+    mgr = WorkspaceManager("cpu")
+    inside = threading.Event()
+    done = threading.Event()
+    seen = {}
+
+    def chooser():
+        with mgr.slot("mine"):
+            seen["chooser"] = mgr.current_slot()
+            inside.set()
+            done.wait(TIMEOUT)
+
+    def other():
+        inside.wait(TIMEOUT)
+        seen["other"] = mgr.current_slot()
+        done.set()
+
+    run_threads([chooser, other])
+    assert seen == {"chooser": "mine", "other": "default"}
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_two_cuda_streams_default_slots_run_a_stack_concurrently():
+    dev = torch.device("cuda")
+    mgr = WorkspaceManager(dev, strategy="shared", poison=True)
+    torch.manual_seed(0)
+    layers = [FusedMoE(64, 4, 1024, 512, dtype=torch.bfloat16, device=dev, workspace=mgr, backend="triton")
+              for _ in range(8)]
+    xs = [torch.randn(M, 1024, dtype=torch.bfloat16, device=dev) for M in (37, 300)]
+
+    def stack(x):
+        outs = []
+        for layer in layers:
+            x = layer(x)
+            outs.append(x)
+        return outs
+
+    expected = [stack(x) for x in xs]  # sequential, default stream
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    hs, got = list(xs), [[], []]
+    for layer in layers:  # issue layer by layer, alternating streams: the two stacks overlap on the GPU
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                hs[i] = layer(hs[i])
+                got[i].append(hs[i])
+    torch.cuda.synchronize()
+    for i in range(2):
+        for a, b in zip(got[i], expected[i]):
+            assert torch.equal(a, b)
+    w, ids = layers[0].route(xs[1])
+    ref = fused_moe_reference(xs[1], layers[0].w1, layers[0].w2, w, ids)
+    assert relative_error(expected[1][0], ref) < 2e-2
+    arenas = {k: (a.data.data_ptr(), a.data.data_ptr() + a.nbytes) for k, a in mgr._arenas.items()}
+    keys = [("stream", s.cuda_stream) for s in streams]
+    assert all(k in arenas for k in keys)
+    (a0, a1), (b0, b1) = arenas[keys[0]], arenas[keys[1]]
+    assert a1 <= b0 or b1 <= a0
