@@ -17,46 +17,32 @@ captured call replays with new inputs (see tests/test_gpu_hf.py).
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 from torch import Tensor
 
-from .workspace.manager import WorkspaceManager
+from .workspace.manager import MANAGERS, WorkspaceManager
 
 __all__ = ["OP_NAME", "fused_moe_op", "lookup_workspace", "workspace_id"]
 
 OP_NAME = "fusedmoe::fused_moe"
 
-_IDS = itertools.count()
-_MANAGERS: weakref.WeakValueDictionary[int, WorkspaceManager] = weakref.WeakValueDictionary()
-_ID_ATTR = "_fusedmoe_op_id"
 
 
-@torch._dynamo.assume_constant_result  # run at trace time: the compiled code sees the id as a constant
 def workspace_id(manager: WorkspaceManager | None) -> int:
-    """The op-level id of ``manager`` (assigned on first use; -1 for None = the default manager).
-
-    Under ``torch.compile`` it runs at trace time and the compiled code holds the id as a constant.
-    """
+    """The op-level id of ``manager``: its ``id`` attribute, fixed at construction (-1 for None = the device's
+    default manager). A plain int attribute, so under ``torch.compile`` it is read as a guarded constant."""
     if manager is None:
         return -1
     if not isinstance(manager, WorkspaceManager):
         raise TypeError(f"workspace must be a WorkspaceManager or None, got {type(manager).__name__}")
-    i = manager.__dict__.get(_ID_ATTR)
-    if i is None:
-        i = next(_IDS)
-        manager.__dict__[_ID_ATTR] = i
-        _MANAGERS[i] = manager
-    return i
+    return manager.id
 
 
 def lookup_workspace(i: int) -> WorkspaceManager | None:
     """The manager of id ``i`` (None for -1). Raises if it was garbage-collected."""
     if i < 0:
         return None
-    mgr = _MANAGERS.get(i)
+    mgr = MANAGERS.get(i)
     if mgr is None:
         raise RuntimeError(f"fusedmoe workspace manager #{i} no longer exists")
     return mgr

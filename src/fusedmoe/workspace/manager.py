@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -127,6 +129,11 @@ class _Arena:
         return self.data.numel()
 
 
+_MANAGER_IDS = itertools.count()
+#: Every live manager by its ``id`` (weakly held): how a manager crosses the registered op's boundary.
+MANAGERS: weakref.WeakValueDictionary[int, WorkspaceManager] = weakref.WeakValueDictionary()
+
+
 class WorkspaceManager:
     """Serves workspace plans from arenas according to a strategy; see the module docstring.
 
@@ -149,6 +156,8 @@ class WorkspaceManager:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self.id = next(_MANAGER_IDS)  # a plain int, so torch.compile can read it as a constant
+        MANAGERS[self.id] = self
         self.strategy = strategy
         self.poison = bool(poison)
         self.frozen = False
