@@ -89,19 +89,13 @@ class ExpertParallelKernel(MoEKernel):
     other ranks may send it rows, and every rank must take part in every collective.
     """
 
+    skip_empty = False
+
     def __call__(self, x: ExpertsInputs, p: MoEProblem, *, manager: WorkspaceManager, owner: object = None,
                  workspace13: torch.Tensor | None = None, workspace2: torch.Tensor | None = None) -> torch.Tensor:
         if workspace13 is not None or workspace2 is not None:
             raise ValueError("expert parallelism takes its scratch from a WorkspaceManager, not caller tensors")
-        hidden = x.hidden_states
-        output = torch.empty((p.M, p.H), dtype=hidden.dtype, device=hidden.device)
-        ws = manager.acquire(self.plan(p), owner)
-        prepared = self.prepare_finalize.prepare(x, p, ws)
-        inner = self.prepare_finalize.problem(p)
-        expert_out = self.prepare_finalize.expert_output(output, inner, ws)
-        self.experts.apply(expert_out, prepared, inner, ws)
-        self.prepare_finalize.finalize(output, expert_out, x, p, ws)
-        return output
+        return super().__call__(x, p, manager=manager, owner=owner)
 
 
 __all__ = ["ExpertParallelKernel", "TorchDistributedTransport", "Transport"]

@@ -19,6 +19,9 @@ class MoEKernel:
     three stages and returns a fresh output tensor [M, H] (never a workspace view: it outlives the next call).
     """
 
+    #: With no tokens there is nothing to compute; an expert-parallel rank must still run its collectives.
+    skip_empty = True
+
     def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts):
         if prepare_finalize.layout != experts.layout:
             raise ValueError(
@@ -105,7 +108,7 @@ class MoEKernel:
         hidden = x.hidden_states
         output = torch.empty((p.M, p.H), dtype=hidden.dtype, device=hidden.device)
         ws = self.workspace(p, x, manager, owner, workspace13, workspace2)
-        if p.M == 0:
+        if p.M == 0 and self.skip_empty:
             return output
         prepared = self.prepare_finalize.prepare(x, p, ws)
         inner = self.prepare_finalize.problem(p)

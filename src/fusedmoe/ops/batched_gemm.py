@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._util import cdiv
 from .configs import GemmConfig
-from .grouped_gemm import _activate, _mma
+from .grouped_gemm import _activate, _mma, _scale_strides
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # codes of grouped_gemm._activate
@@ -126,17 +126,6 @@ def _batched_gemm(
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------
-def _scale_strides(quant_mode, a_scale, w_scale):
-    """(stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk) of the scale layouts of each mode."""
-    if quant_mode is None:
-        return 0, 0, 0, 0, 0
-    if quant_mode == "fp8_tensor":
-        return 0, 0, w_scale.stride(0), 0, 0
-    if quant_mode == "fp8_token":
-        return a_scale.stride(0), 0, w_scale.stride(0), w_scale.stride(1), 0
-    return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
-
-
 def _check(a, w, out, counts, quant_mode, a_scale, w_scale, block_shape, cfg):
     if quant_mode not in _QUANT_CODES:
         raise ValueError(f"unknown quant_mode {quant_mode!r}")
