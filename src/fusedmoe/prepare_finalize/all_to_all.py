@@ -48,6 +48,7 @@ from .batched import (
     _capturing,
     gather_batched,
     gather_plan,
+    max_count_tensor,
     reduce_plan,
     scatter_batched,
     scatter_plan,
@@ -163,11 +164,7 @@ class AllToAllPrepareFinalize(PrepareFinalize):
 
     def max_count(self, device: torch.device | str) -> torch.Tensor:
         """Batched layout: int64 [1], the largest per-expert received count of the last call (see batched.py)."""
-        device = torch.device(device)
-        t = self._max_count.get(device)
-        if t is None:
-            t = self._max_count[device] = torch.zeros(1, dtype=torch.int64, device=device)
-        return t
+        return max_count_tensor(self._max_count, device)
 
     # ---- dispatch -------------------------------------------------------------------------------------------
     def prepare(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> ExpertsInputs:

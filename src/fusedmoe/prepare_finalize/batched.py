@@ -185,6 +185,16 @@ def gather_batched(
     return out
 
 
+def max_count_tensor(cache: dict[torch.device, torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """The persistent int64 [1] max-count tensor of ``device`` in ``cache`` (created once, zero-initialised:
+    it is a result each call overwrites, never a workspace)."""
+    device = torch.device(device)
+    t = cache.get(device)
+    if t is None:
+        t = cache[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return t
+
+
 class BatchedPrepareFinalize(PrepareFinalize):
     """No expert parallelism, batched layout ``[E_local, T, H]`` + ``expert_num_tokens`` (see module docs).
 
@@ -228,11 +238,7 @@ class BatchedPrepareFinalize(PrepareFinalize):
         A persistent tensor written (not accumulated) by every call; read it after a CUDA-graph replay to
         detect a capacity overflow without a sync inside the graph.
         """
-        device = torch.device(device)
-        t = self._max_count.get(device)
-        if t is None:
-            t = self._max_count[device] = torch.zeros(1, dtype=torch.int64, device=device)
-        return t
+        return max_count_tensor(self._max_count, device)
 
     def prepare(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> ExpertsInputs:
         T = self.tokens_per_expert(p.M)
