@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -64,10 +64,4 @@ class MoEProblem:
 
     def with_tokens(self, M: int) -> MoEProblem:
         """The same problem with another token count (e.g. to reserve for the largest batch)."""
-        return dataclass_replace(self, M=M)
-
-
-def dataclass_replace(obj, **changes):
-    from dataclasses import replace
-
-    return replace(obj, **changes)
+        return replace(self, M=M)

@@ -399,15 +399,15 @@ def caller_workspace(
                 raise WorkspaceError(f"{wname} overlaps {pname}; a workspace must not alias inputs")
 
     if workspace2 is None:
-        layouts = {"workspace13": (plan.placements, plan.nbytes, [b.name for b in plan.buffers])}
+        layouts = {"workspace13": (plan.placements, plan.nbytes)}
     else:
         layouts = {}
         for wname, region in (("workspace13", "13"), ("workspace2", "2")):
             placements, total = plan.region(region)
-            layouts[wname] = (placements, total, list(placements))
+            layouts[wname] = (placements, total)
     views: dict[str, torch.Tensor] = {}
     checked = []
-    for wname, (placements, total, _names) in layouts.items():
+    for wname, (placements, total) in layouts.items():
         flat, skip = _bytes_of(given[wname])
         if flat.numel() < total:
             raise WorkspaceError(
