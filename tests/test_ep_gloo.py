@@ -94,3 +94,67 @@ def test_ep_group_validation():
     assert contiguous_expert_map(6, 1, 3).tolist() == [-1, -1, 0, 1, -1, -1]
     with pytest.raises(ValueError, match="divisible"):
         contiguous_expert_map(6, 0, 4)
+
+
+def _fp8_worker(rank, world, init_file, modes, queue):
+    """EP with fp8 rows (+ scales) on the wire vs the single-process fused call, Triton experts (interpreter)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from fusedmoe import fused_moe, route
+        from fusedmoe.distributed import ExpertParallelKernel, TorchDistributedTransport
+        from fusedmoe.experts.base import ExpertsInputs
+        from fusedmoe.experts.triton_experts import TritonExperts
+        from fusedmoe.ops.configs import MoEConfig, pin_config
+        from fusedmoe.prepare_finalize.all_to_all import AllToAllPrepareFinalize
+        from fusedmoe.problem import MoEProblem
+        from fusedmoe.quant import QuantConfig, quantize_weights
+        from fusedmoe.reference import relative_error
+        from fusedmoe.workspace.manager import WorkspaceManager
+
+        pin_config(MoEConfig.simple(16, 32, 32))
+        results = []
+        for mode in modes:
+            q = QuantConfig.parse(mode)
+            g = torch.Generator().manual_seed(11)
+            w1 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+            w2 = torch.randn(E, H, I, generator=g) / I**0.5
+            w1q, w2q, s1, s2 = quantize_weights(w1, w2, q)
+            xs = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
+            logits = [torch.randn(m, E, generator=g) for m in TOKENS[:world]]
+            w, ids = route(logits[rank], K)
+            ref = fused_moe(xs[rank], w1q, w2q, w, ids, quant=q, w1_scale=s1, w2_scale=s2, backend="triton")
+            El = E // world
+            lo = rank * El
+            pf = AllToAllPrepareFinalize(TorchDistributedTransport(), E, max(TOKENS[:world]))
+            kernel = ExpertParallelKernel(pf, TritonExperts())
+            p = MoEProblem(xs[rank].shape[0], H, I, El, E, K, torch.float32, w1q.dtype, has_expert_map=True, quant=q)
+            wire = pf.wire_fp8(p) and any(b.name == "ep_send_hidden" and b.dtype == w1q.dtype
+                                          for b in kernel.plan(p).buffers)
+            inputs = ExpertsInputs(xs[rank], w1q[lo:lo + El], w2q[lo:lo + El], w, ids,
+                                   expert_map=pf.expert_map("cpu"), w1_scale=s1[lo:lo + El], w2_scale=s2[lo:lo + El])
+            out = kernel(inputs, p, manager=WorkspaceManager("cpu", poison=True))
+            err = relative_error(out, ref) if ref.numel() else float(out.abs().sum())
+            results.append((mode, wire, err))
+        queue.put((rank, results))
+    except Exception as exc:  # pragma: no cover - reported by the parent
+        queue.put((rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton experts on CPU need the interpreter")
+def test_ep_world2_fp8_rows_and_scales_on_the_wire():
+    """fp8 per-token and 128-block modes send fp8 rows plus their row scales (the plan's send buffer is fp8)
+    and give the single-process result; a rank with no tokens takes part."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    modes = ["fp8_token", "fp8_block"]
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_fp8_worker, args=(2, os.path.join(d, "init"), modes, queue), nprocs=2, join=True)
+    out = dict(queue.get(timeout=60) for _ in range(2))
+    for rank, res in out.items():
+        assert not isinstance(res, str), f"rank {rank} failed: {res}"
+        for mode, wire, err in res:
+            assert wire, f"rank {rank} {mode}: tokens did not travel as fp8"
+            assert err < 1e-5, f"rank {rank} {mode}: error {err}"

@@ -12,8 +12,11 @@ Dispatch (``prepare``):
   4. the receiver runs its experts on the received rows as a problem of ``M_recv_max`` rows and top-k 1 with
      the global ids and this rank's ``expert_map``. Rows past the received count get id -1 (written: a
      sentinel, not a fill), so no kernel computes or reads them.
-     - standard layout (``TorchExperts``/``TritonExperts``): the experts weight and write each row's result;
-       with fp8 the receiver quantizes the received rows first (scale over received rows only);
+     - standard layout (``TorchExperts``/``TritonExperts``): the experts weight and write each row's result.
+       fp8 with row-local scales (per-token, 128-column blocks) or a static per-tensor scale: the source
+       quantizes its M token rows once and sends fp8 rows plus their scales (half the bytes of bf16); a dynamic
+       per-tensor scale cannot travel (each source would have its own), so then the receiver quantizes the
+       received rows (scale over received rows only);
      - batched layout: the received rows are scattered into ``[E_local, T, H]`` exactly as by
        :class:`~fusedmoe.prepare_finalize.batched.BatchedPrepareFinalize` (``T = W * max_tokens_per_rank``, or a
        cap), and the per-row results gathered (and weighted) back after the experts.
@@ -130,9 +133,7 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             BufferSpec("ep_offsets", (W + 1,), i64, P, P),
             BufferSpec("ep_send_counts", (W,), i64, P, P),
             BufferSpec("ep_send_rows", (S,), i64, P, P),
-            BufferSpec("ep_send_hidden", (S, H), dt, P, P),
             BufferSpec("ep_send_meta", (S, 2), i32, P, P),
-            BufferSpec("ep_recv_hidden", (R, H), dt, P, Phase.GEMM1),
             BufferSpec("ep_recv_meta", (R, 2), i32, P, P),
             BufferSpec("ep_recv_ids", (R, 1), i32, P, F),
             BufferSpec("ep_recv_w", (R, 1), f32, P, F),
@@ -140,6 +141,25 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             BufferSpec("ep_back", (S, H), dt, F, F),
             BufferSpec("ep_slot_pos", (S,), i64, F, F),
             *reduce_plan("ep_", S, H, dt),
+        ]
+        if self.wire_fp8(p):
+            q, M = p.quant, p.M
+            specs += [
+                BufferSpec("ep_src_q", (M, H), FP8_DTYPE, P, P),
+                BufferSpec("ep_send_hidden", (S, H), FP8_DTYPE, P, P),
+                BufferSpec("ep_recv_hidden", (R, H), FP8_DTYPE, P, Phase.GEMM1),
+            ]
+            if not q.static_activation_scale:
+                G = scale_shape(q.mode, 1, H, q.block_shape[1])[1]
+                specs += [
+                    BufferSpec("ep_src_scale", (M, G), f32, P, P),
+                    BufferSpec("ep_send_scale", (S, G), f32, P, P),
+                    BufferSpec("ep_recv_scale", (R, G), f32, P, Phase.GEMM1),
+                ]
+            return specs
+        specs += [
+            BufferSpec("ep_send_hidden", (S, H), dt, P, P),
+            BufferSpec("ep_recv_hidden", (R, H), dt, P, Phase.GEMM1),
         ]
         if self.layout == Layout.BATCHED:
             E, T = self.local_experts, self.tokens_per_expert()
@@ -153,6 +173,12 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             if q.mode == "fp8_tensor" and not q.static_activation_scale:
                 specs.append(BufferSpec("ep_a1_partial", (num_partials(R),), f32, P, P))
         return specs
+
+    def wire_fp8(self, p: MoEProblem) -> bool:
+        """Do tokens travel as fp8 rows (+ scales)? Standard layout, with scales that are row-local or static."""
+        q = p.quant
+        return (self.layout == Layout.STANDARD and q is not None
+                and (q.mode != "fp8_tensor" or q.static_activation_scale))
 
     def expert_map(self, device: torch.device | str) -> torch.Tensor:
         """int32 [E]: global id -> local id on this rank, -1 elsewhere (cached per device)."""
@@ -190,7 +216,14 @@ class AllToAllPrepareFinalize(PrepareFinalize):
 
         send_rows, send_hidden, send_meta = ws["ep_send_rows"], ws["ep_send_hidden"], ws["ep_send_meta"]
         torch.div(order, k, rounding_mode="floor", out=send_rows)
-        torch.index_select(x.hidden_states, 0, send_rows, out=send_hidden)
+        wire_fp8 = self.wire_fp8(p)
+        if wire_fp8:  # quantize the M token rows once, then gather fp8 rows (as bytes) and their scales
+            self._quantize_source(x, p, ws)
+            torch.index_select(ws["ep_src_q"].view(torch.uint8), 0, send_rows, out=send_hidden.view(torch.uint8))
+            if "ep_send_scale" in ws:
+                torch.index_select(ws["ep_src_scale"], 0, send_rows, out=ws["ep_send_scale"])
+        else:
+            torch.index_select(x.hidden_states, 0, send_rows, out=send_hidden)
         torch.index_select(ids.to(torch.int32), 0, order, out=send_meta[:, 0])
         w_bits = x.topk_weights.reshape(-1).to(torch.float32).view(torch.int32)
         torch.index_select(w_bits, 0, order, out=send_meta[:, 1])
@@ -204,6 +237,9 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         recv_hidden, recv_meta = ws["ep_recv_hidden"], ws["ep_recv_meta"]
         self.transport.all_to_all(recv_hidden[:n_recv], send_hidden[:n_send], send_list, recv_list)
         self.transport.all_to_all(recv_meta[:n_recv], send_meta[:n_send], send_list, recv_list)
+        if wire_fp8 and "ep_send_scale" in ws:
+            self.transport.all_to_all(ws["ep_recv_scale"][:n_recv], ws["ep_send_scale"][:n_send], send_list,
+                                      recv_list)
         recv_ids, recv_w = ws["ep_recv_ids"], ws["ep_recv_w"]
         recv_ids[:n_recv, 0].copy_(recv_meta[:n_recv, 0])
         recv_ids[n_recv:].fill_(-1)  # sentinel ids: rows that were not received are not local anywhere
@@ -227,7 +263,9 @@ class AllToAllPrepareFinalize(PrepareFinalize):
                                  expert_num_tokens=num_tokens, **common)
         hidden, a1_scale = recv_hidden, x.a1_scale
         q = inner.quant
-        if q is not None and n_recv:
+        if wire_fp8:  # already quantized at the source: fp8 rows and their scales arrived together
+            a1_scale = ws["ep_recv_scale"] if "ep_recv_scale" in ws else x.a1_scale
+        elif q is not None and n_recv:
             from ..ops.quantize import quantize_activation
 
             hidden = ws["ep_a1q"]
@@ -245,6 +283,19 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             a1_scale = x.a1_scale if q.static_activation_scale else ws["ep_a1_scale"]
         return ExpertsInputs(hidden_states=hidden, topk_weights=recv_w, topk_ids=recv_ids, expert_map=emap,
                              **{**common, "a1_scale": a1_scale})
+
+    @staticmethod
+    def _quantize_source(x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
+        """fp8 rows of this rank's M tokens into ``ep_src_q`` (+ row scales into ``ep_src_scale``)."""
+        if p.M == 0:
+            return
+        from ..ops.quantize import quantize_activation
+
+        q = p.quant
+        quantize_activation(x.hidden_states, q.mode, out=ws["ep_src_q"],
+                            scale_out=None if q.static_activation_scale else ws["ep_src_scale"],
+                            static_scale=x.a1_scale if q.static_activation_scale else None,
+                            group_k=q.block_shape[1])
 
     def expert_output(self, output: torch.Tensor, p: MoEProblem, ws: Workspace) -> torch.Tensor:
         if self.layout == Layout.BATCHED:
