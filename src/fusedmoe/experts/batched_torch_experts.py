@@ -28,7 +28,7 @@ class BatchedTorchExperts(Experts):
     layout = Layout.BATCHED
 
     def supports(self, p: MoEProblem) -> str | None:
-        if getattr(p, "has_bias", False):
+        if p.has_bias:
             return "the batched torch experts do not implement expert biases"
         if p.activation not in ("silu", "gelu", "swigluoai"):
             return f"activation {p.activation!r} is not supported"

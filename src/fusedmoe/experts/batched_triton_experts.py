@@ -43,7 +43,7 @@ class BatchedTritonExperts(Experts):
         self._configs: dict[tuple, MoEConfig] = {}
 
     def supports(self, p: MoEProblem) -> str | None:
-        if getattr(p, "has_bias", False):
+        if p.has_bias:
             return "the batched Triton experts do not implement expert biases"
         if p.activation not in _ACTIVATIONS:
             return f"activation {p.activation!r} is not supported by the batched Triton experts"
