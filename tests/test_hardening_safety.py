@@ -248,14 +248,8 @@ def test_every_view_and_the_output_are_guarded(backend, name, monkeypatch):
     check_result(out.clone(), a, kw)
 
 
-_INT64_BUG = pytest.mark.xfail(strict=True, reason="BUG: Triton kernels cast int64 topk_ids to int32 before the range "
-                                                   "check (_local_expert in ops/align.py, reused by reduce and "
-                                                   "decode), so 2**32+1 is routed to expert 1 instead of being "
-                                                   "non-local; in bounds, but wrong")
-
-
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[_interp, _INT64_BUG]),
-                                     pytest.param("triton-decode", marks=[_interp, _INT64_BUG])])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=_interp),
+                                     pytest.param("triton-decode", marks=_interp)])
 def test_int64_ids_beyond_int32_are_non_local(backend, monkeypatch):
     """int64 ids outside int32 (e.g. 2**32 + 1, -2**32 + 2) are out of range: no contribution, like -1."""
     monkeypatch.delenv("FUSEDMOE_CHECKS", raising=False)

@@ -75,8 +75,9 @@ _TILE = 4096
 @triton.jit
 def _local_expert(ids, map_ptr, global_E, E, HAS_MAP: tl.constexpr):
     """Local expert of global ids (any int tensor), -1 where non-local or out of range. Never reads OOB."""
-    ids = ids.to(tl.int32)
+    # range-check in the ids' own dtype: casting int64 first would wrap 2**32 + 1 onto expert 1
     in_range = (ids >= 0) & (ids < global_E)
+    ids = tl.where(in_range, ids, 0).to(tl.int32)
     if HAS_MAP:
         safe = tl.where(in_range, ids, 0)
         loc = tl.load(map_ptr + safe, mask=in_range, other=-1).to(tl.int32)
