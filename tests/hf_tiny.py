@@ -74,3 +74,32 @@ def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, device="cpu"
 def prompt(batch: int = 2, length: int = 12, seed: int = 1, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, COMMON["vocab_size"], (batch, length), generator=g).to(device)
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformers experts modules of ``model`` (those the experts interface dispatches)."""
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")]
+
+
+def routed_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(float32 logits, the sorted top-k expert ids each experts call received, in call order): transformers'
+    own routing decisions, to tell a near-tie routing flip from an error in the experts."""
+    seen: list[torch.Tensor] = []
+
+    def record(module, args, kwargs):
+        index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
+        seen.append(index.sort(dim=-1).values.cpu())
+
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts_modules(model)]
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, seen
+
+
+def routes_differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    """How many (call, token) routing decisions differ between two :func:`routed_logits` records."""
+    return sum(int((x != y).any(dim=-1).sum()) for x, y in zip(a, b, strict=True))
