@@ -82,21 +82,37 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def routed_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(float32 logits, the sorted top-k expert ids each experts call received, in call order): transformers'
-    own routing decisions, to tell a near-tie routing flip from an error in the experts."""
+    """(float32 logits, the sorted top-k expert ids of every routing decision, in call order): transformers' own
+    routing (the ids its experts modules receive) or, in a patched model, the ids fusedmoe's layers chose. Used
+    to tell a near-tie routing flip from an error in the experts."""
+    from fusedmoe import FusedMoE
+
     seen: list[torch.Tensor] = []
 
     def record(module, args, kwargs):
         index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
         seen.append(index.sort(dim=-1).values.cpu())
 
+    def recording(route):
+        def wrapped(*args, **kwargs):
+            weights, index = route(*args, **kwargs)
+            seen.append(index.long().sort(dim=-1).values.cpu())
+            return weights, index
+
+        return wrapped
+
     handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts_modules(model)]
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for layer in layers:
+        layer.route = recording(layer.route)
     try:
         with torch.no_grad():
             logits = model(ids).logits.float()
     finally:
         for h in handles:
             h.remove()
+        for layer in layers:
+            del layer.route
     return logits, seen
 
 
