@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -150,9 +151,13 @@ def test_gpu_soak_10k_steps_48_layers():
     baseline = torch.cuda.memory_allocated(dev)
     seen = []
 
+    start = time.perf_counter()
+
     def on_step(step: int) -> None:
         if step % 100 == 0:
             seen.append(torch.cuda.memory_allocated(dev))
+        if step % 1000 == 0:  # progress, visible with -s (a 10,000-step soak takes minutes)
+            print(f"soak step {step}/{steps}: {time.perf_counter() - start:.0f} s", flush=True)
 
     try:
         samples = soak(layers, mgr, steps=steps, max_m=MAX_M, hidden=H, dtype=torch.bfloat16, device=dev,

@@ -5,16 +5,20 @@ expert (no host sync, so the call can be captured in a CUDA graph), with the gat
 
     gate_up[e] = a[e] @ w1[e].T ;  act[e] = act_fn(gate) * up ;  y[e] = act[e] @ w2[e].T
 
-Every operation is row-local (a row of an output depends only on the same row of the input), so the padded
-rows past ``expert_num_tokens[e]`` (never written by prepare, garbage or NaN) only reach padded output rows,
-which finalize never reads: nothing is zero-filled, and there is no reduction over rows or per-tensor scale.
-The cost is the full E*T rows; the Triton batched experts compute the valid rows only.
+The padded rows past ``expert_num_tokens[e]`` are never written by prepare (garbage or NaN), and a matrix
+product need not keep them to their own output rows: torch 2.11's CPU bf16 ``bmm`` spreads a NaN input row into
+valid rows (torch 2.13's does not; seen through the hypothesis properties on the GPU machine's host). So GEMM1
+reads a copy of the input whose padded rows are 0 (a planned buffer, the caller's input
+untouched); every later row-wise step keeps padded rows finite, and finalize never reads them. There is no
+reduction over rows and no per-tensor scale. The cost is the full E*T rows; the Triton batched experts compute
+the valid rows only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..prepare_finalize.batched import _arange
 from ..problem import Layout, MoEProblem
 from ..workspace.manager import Workspace
 from ..workspace.plan import BufferSpec, Phase
@@ -41,6 +45,8 @@ class BatchedTorchExperts(Experts):
     def plan(self, p: MoEProblem) -> list[BufferSpec]:
         E, T, I = p.E, p.max_tokens_per_expert, p.I
         return [
+            BufferSpec("bt_padded", (E, T, 1), torch.bool, Phase.GEMM1, Phase.GEMM1, region="2"),
+            BufferSpec("bt_a", (E, T, p.H), p.dtype, Phase.GEMM1, Phase.GEMM1, region="13"),
             BufferSpec("bt_gate_up", (E, T, 2 * I), p.dtype, Phase.GEMM1, Phase.ACTIVATION, region="2"),
             BufferSpec("bt_act", (E, T, I), p.dtype, Phase.ACTIVATION, Phase.GEMM2, region="13"),
         ]
@@ -51,7 +57,9 @@ class BatchedTorchExperts(Experts):
         E, T, I = p.E, p.max_tokens_per_expert, p.I
         if E == 0 or T == 0:
             return
-        a = x.hidden_states
+        padded, a = ws["bt_padded"], ws["bt_a"]
+        torch.ge(_arange(T, a.device).view(1, T, 1), x.expert_num_tokens.view(E, 1, 1), out=padded)
+        a.copy_(x.hidden_states).masked_fill_(padded, 0.0)
         gate_up, act = ws["bt_gate_up"], ws["bt_act"]
         torch.bmm(a, x.w1.transpose(1, 2), out=gate_up)
         gate, up = gate_up[..., :I], gate_up[..., I:]
