@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fusedmoe.bench import decode, floors, strategies
+from fusedmoe.bench import call_path, decode, floors, strategies
 from fusedmoe.bench.baselines import hf_experts
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.routing import route
@@ -42,6 +42,14 @@ def test_strategy_table_cpu():
     assert [r["strategy"] for r in res] == ["alloc_zeros", "alloc_empty", "per_layer", "shared", "caller"]
     assert all(r["bit_identical"] in (None, True) for r in res)
     assert res[0]["zeroed_bytes_per_call"] > 0 and res[3]["allocs_per_call"] == 0
+
+
+def test_call_path_table_cpu():
+    """Both call paths (direct and registered op) run the same problem to the same bits; the table has them."""
+    r = call_path.measure("cpu", calls=3, repeats=1, M=3)
+    assert r["identical"] and r["direct_us"] > 0 and r["op_us"] > 0
+    assert r["op_extra_us"] == r["op_us"] - r["direct_us"]
+    assert call_path.table_rows(r)[0][-1] == "yes"
 
 
 def test_floor_is_the_larger_of_memory_and_compute():

@@ -62,7 +62,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_strategies_cpu(args: argparse.Namespace) -> int:
-    from .bench import report, strategies
+    from .bench import call_path, report, strategies
 
     shape = strategies.StackShape(
         num_experts=args.e or 16,
@@ -80,9 +80,14 @@ def _bench_strategies_cpu(args: argparse.Namespace) -> int:
         shape, tokens, steps=args.steps or 24, device=torch.device("cpu"), dtype=torch.float32, backend="torch"
     )
     report.print_table("workspace strategies (per layer call)", strategies.COLUMNS, strategies.table_rows(results))
+    paths = call_path.measure("cpu")
+    report.print_table("call path host cost (M=1, E=8, k=2, H=64, I=32, float32)", call_path.COLUMNS,
+                       call_path.table_rows(paths))
     if args.json:
         report.save_json(
-            args.json, {"env": report.environment(), "shape": shape.__dict__, "tokens": tokens, "strategies": results}
+            args.json,
+            {"env": report.environment(), "shape": shape.__dict__, "tokens": tokens, "strategies": results,
+             "call_path": paths},
         )
         print(f"wrote {args.json}")
     return 0

@@ -1,7 +1,8 @@
 """The fused call as a registered torch op: ``torch.ops.fusedmoe.fused_moe`` (schema + fake implementation).
 
-Why two paths. A ``torch.library.custom_op`` costs host time on every call (about 20 us on top of the python
-call, measured by ``fusedmoe bench``); in eager mode that is pure overhead, so :func:`fusedmoe.fused_moe` and
+Why two paths. A ``torch.library.custom_op`` costs host time on every call (its autograd and dispatch
+wrappers; ``fusedmoe bench`` measures both paths: the CPU table "call path host cost", and the GPU sweep's
+``triton_op`` backend with ``--eager``); in eager mode that is pure overhead, so :func:`fusedmoe.fused_moe` and
 :class:`fusedmoe.FusedMoE` call the kernels directly. Under ``torch.compile`` the op is what keeps the call
 opaque to the compiler (no graph break, ``fullgraph=True`` works, the torch experts' one host sync stays
 inside the op) and what the fake implementation describes: a fresh ``[M, H]`` tensor in hidden_states' dtype.

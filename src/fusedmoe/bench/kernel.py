@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import fused_moe
+from ..op import fused_moe_op
 from ..routing import route
 from ..workspace.manager import WorkspaceManager
 from . import floors, report, timing
@@ -81,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     shape = shape_from_args(args)
     tokens = args.tokens or DEFAULT_TOKENS
-    backends = (args.backends or "triton,grouped_mm,hf_grouped_mm,hf_batched_mm,torch").split(",")
+    backends = (args.backends or "triton,triton_op,grouped_mm,hf_grouped_mm,hf_batched_mm,torch").split(",")
     env = report.environment()
     print(f"{env.get('gpu')} | torch {env['torch']} | triton {env.get('triton')} | commit {env.get('commit')}")
     ceil = floors.measure_ceilings(device)
@@ -166,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
                         M,
                         row["us"],
                         row.get("eager_us"),
+                        row.get("host_us"),
                         row["floor_us"],
                         row["pct_floor"],
                         row["tb_s"],
@@ -180,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
     )
     report.print_table(
         title,
-        ["backend", "M", "us", "eager us", "floor us", "% floor", "TB/s", "TFLOP/s"] + [f"x vs {b}" for b in backends],
+        ["backend", "M", "us", "eager us", "host us", "floor us", "% floor", "TB/s", "TFLOP/s"]
+        + [f"x vs {b}" for b in backends],
         rows,
     )
     payload = {
@@ -211,11 +214,14 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager)
     """A function of router logits that runs routing + one layer call on ``backend``; None if unavailable."""
     routing = shape.routing
     k = shape.top_k
-    if backend in ("triton", "torch"):
+    if backend in ("triton", "triton_op", "torch"):
         if backend == "torch" and quantized:
             return None
-        kw = dict(expert_map=expert_map, global_num_experts=shape.num_experts, workspace=manager, backend=backend)
-        if quantized and backend == "triton":
+        # triton_op: the same call through the registered op (what torch.compile sees), for its host cost
+        run = fused_moe_op if backend == "triton_op" else fused_moe
+        kw = dict(expert_map=expert_map, global_num_experts=shape.num_experts, workspace=manager,
+                  backend="triton" if backend == "triton_op" else backend)
+        if quantized and backend != "torch":
             kw.update({k_: v for k_, v in quantized.items() if k_ not in ("w1", "w2")})
             ww1, ww2 = quantized["w1"], quantized["w2"]
         else:
@@ -223,7 +229,7 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager)
 
         def call(lg):
             w, ids = route(lg, k, **routing)
-            return fused_moe(x, ww1, ww2, w, ids, **kw)
+            return run(x, ww1, ww2, w, ids, **kw)
 
         return call
     if backend == "grouped_mm":
