@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe
 from fusedmoe.ops.configs import MoEConfig, pinned_config
 from fusedmoe.reference import fused_moe_reference, relative_error
+from fusedmoe.workspace.plan import BufferSpec, Phase, WorkspacePlan
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
@@ -240,6 +242,38 @@ def test_many_calls_from_two_threads_in_two_slots():
     last = {s: [r for r in log if r[0] == s][-1] for s in ("a", "b")}
     (_, a0, a1), (_, b0, b1) = last["a"], last["b"]
     assert a1 <= b0 or b1 <= a0
+
+
+@pytest.mark.parametrize("strategy", ["shared", "per_layer"])
+def test_concurrent_growth_in_distinct_slots_keeps_the_books(strategy):
+    """Eight threads grow arenas in their own slots at the same time (thread switches forced every
+    microsecond): the reserved bytes equal the arenas actually held, and every growth and call is counted."""
+    mgr = WorkspaceManager("cpu", strategy=strategy)
+    threads, steps = 8, 300
+    start = threading.Barrier(threads)
+    plans = [WorkspacePlan((BufferSpec("b", (64 * (j + 1),), torch.uint8, Phase.GEMM1, Phase.GEMM1),))
+             for j in range(steps)]
+
+    def worker(i):
+        def fn():
+            start.wait(TIMEOUT)
+            for j, plan in enumerate(plans):
+                mgr.reserve(64 * (j + 1), owner="layer", slot=(i, j % 3))  # exact sizes: each one grows
+                with mgr.slot((i, "a")):
+                    mgr.acquire(plan, owner="layer")
+            return 0
+        return fn
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        assert run_threads([worker(i) for i in range(threads)]) == [0] * threads
+    finally:
+        sys.setswitchinterval(interval)
+    assert mgr.stats.reserved_bytes == sum(a.nbytes for a in mgr._arenas.values())
+    assert mgr.stats.calls == threads * steps
+    assert mgr.stats.device_allocations == threads * steps + mgr.stats.growths
+    assert mgr.stats.growths >= threads  # every acquiring slot grew at least once
 
 
 def test_slot_choice_does_not_leak_across_threads():

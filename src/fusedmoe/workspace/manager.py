@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import itertools
 import math
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -163,6 +164,9 @@ class WorkspaceManager:
         self.frozen = False
         self.stats = WorkspaceStats()
         self._arenas: dict[object, _Arena] = {}
+        # Guards the arenas and the stats: threads serving distinct slots may grow arenas at the same time.
+        # The hot path holds it for a few dict operations only; poisoning and zeroing run outside it.
+        self._lock = threading.Lock()
         self._slot: contextvars.ContextVar[object | None] = contextvars.ContextVar(f"fusedmoe_slot_{id(self)}")
 
     def __repr__(self) -> str:
@@ -225,14 +229,15 @@ class WorkspaceManager:
             return 0
         need = max(sizes, default=0)
         key = self._key(owner, slot)
-        arena = self._arenas.get(key)
-        if arena is None or arena.nbytes < need:
-            self._check_growth(need, arena)
-            try:
-                self._replace(key, arena, need)
-            except RuntimeError as e:  # out of memory, or more bytes than the allocator can address
-                raise WorkspaceError(f"could not reserve {need} bytes on {self.device}: {e}") from e
-        return self._arenas[key].nbytes if key in self._arenas else 0
+        with self._lock:
+            arena = self._arenas.get(key)
+            if arena is None or arena.nbytes < need:
+                self._check_growth(need, arena)
+                try:
+                    self._replace(key, arena, need)
+                except RuntimeError as e:  # out of memory, or more bytes than the allocator can address
+                    raise WorkspaceError(f"could not reserve {need} bytes on {self.device}: {e}") from e
+            return self._arenas[key].nbytes if key in self._arenas else 0
 
     def _check_growth(self, need: int, arena: _Arena | None) -> None:
         if self.frozen:
@@ -258,10 +263,11 @@ class WorkspaceManager:
 
     def release(self) -> None:
         """Drop every persistent arena (e.g. before resizing a model); not allowed while frozen."""
-        if self.frozen:
-            raise WorkspaceFrozenError("release() on a frozen workspace manager")
-        self._arenas.clear()
-        self.stats.reserved_bytes = 0
+        with self._lock:
+            if self.frozen:
+                raise WorkspaceFrozenError("release() on a frozen workspace manager")
+            self._arenas.clear()
+            self.stats.reserved_bytes = 0
 
     # ---- serving -----------------------------------------------------------------------------------------
     def acquire(self, plan: WorkspacePlan, owner: object = None) -> Workspace:
@@ -275,43 +281,52 @@ class WorkspaceManager:
             if nbytes:
                 alloc = torch.zeros if self.strategy == "alloc_zeros" else torch.empty
                 arena = alloc(nbytes, dtype=torch.uint8, device=self.device)
-                self.stats.device_allocations += 1
-                if self.strategy == "alloc_zeros":
-                    self.stats.bytes_zeroed += nbytes
-                    self.stats.zero_fills += 1
             views = make_views(plan, arena)
+            with self._lock:
+                if nbytes:
+                    self.stats.device_allocations += 1
+                    if self.strategy == "alloc_zeros":
+                        self.stats.bytes_zeroed += nbytes
+                        self.stats.zero_fills += 1
+                self._count_call(owner, nbytes)
         else:
             key = self._key(owner, None)
-            held = self._arenas.get(key)
-            if held is None or held.nbytes < nbytes:
-                self._check_growth(nbytes, held)  # a refused or failed growth leaves no trace
-                held = self._replace(key, held, bucket_bytes(nbytes))
-                self.stats.growths += 1
-            cached = held.views.get(id(plan))
-            if cached is None or cached[0] is not plan:
-                if len(held.views) >= MAX_CACHED_VIEWS:  # bounded under shape churn
-                    held.views.clear()
-                cached = (plan, make_views(plan, held.data))
-                held.views[id(plan)] = cached
-            arena, views = held.data, cached[1]
+            with self._lock:
+                held = self._arenas.get(key)
+                if held is None or held.nbytes < nbytes:
+                    self._check_growth(nbytes, held)  # a refused or failed growth leaves no trace
+                    held = self._replace(key, held, bucket_bytes(nbytes))
+                    self.stats.growths += 1
+                cached = held.views.get(id(plan))
+                if cached is None or cached[0] is not plan:
+                    if len(held.views) >= MAX_CACHED_VIEWS:  # bounded under shape churn
+                        held.views.clear()
+                    cached = (plan, make_views(plan, held.data))
+                    held.views[id(plan)] = cached
+                arena, views = held.data, cached[1]
+                self._count_call(owner, nbytes)
+        ws = Workspace(plan, views, arena)
+        self.prepare_views(ws)
+        return ws
+
+    def _count_call(self, owner: object, nbytes: int) -> None:
         self.stats.calls += 1
         if nbytes > self.stats.peak_bytes:
             self.stats.peak_bytes = nbytes
         self.stats.plan_bytes[owner] = nbytes
-        ws = Workspace(plan, views, arena)
-        self.prepare_views(ws)
-        return ws
 
     def prepare_views(self, ws: Workspace) -> None:
         """Apply poison and the declared zero requirements to a workspace's views (in that order)."""
         if self.poison:
             poison_views(ws)
-            self.stats.poison_fills += 1
+        zeroed = [spec.nbytes for spec in ws.plan.buffers if spec.zero is not None and spec.nbytes]
         for spec in ws.plan.buffers:
             if spec.zero is not None and spec.nbytes:
                 ws.views[spec.name].zero_()
-                self.stats.bytes_zeroed += spec.nbytes
-                self.stats.zero_fills += 1
+        with self._lock:
+            self.stats.poison_fills += self.poison
+            self.stats.bytes_zeroed += sum(zeroed)
+            self.stats.zero_fills += len(zeroed)
 
 
 def poison_views(ws: Workspace) -> None:
