@@ -156,6 +156,9 @@ def run(name: str, M: int, quant: str | None, mgr: WorkspaceManager) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="bf16 and fp8_token only, two batch sizes")
+    ap.add_argument("--quant", default=None,
+                    help="comma-separated subset of: bf16, " + ", ".join(q for q in QUANTS if q))
+    ap.add_argument("--sizes", default=None, help="comma-separated batch sizes (default 1,7,300,1500)")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -164,6 +167,13 @@ def main() -> int:
              "garbage_expert_map", "nan_logits", "nan_hidden", "nan_weights"]
     sizes = [1, 300] if opts.quick else [1, 7, 300, 1500]  # 1500 x 3 slots: the multi-program alignment
     quants = [None, "fp8_token"] if opts.quick else QUANTS
+    if opts.sizes:
+        sizes = [int(m) for m in opts.sizes.split(",")]
+    if opts.quant:
+        quants = [None if q == "bf16" else q for q in opts.quant.split(",")]
+        unknown = [q for q in quants if q not in QUANTS]
+        if unknown:
+            ap.error(f"--quant: unknown modes {unknown}")
     mgr = WorkspaceManager(DEV, poison=True)
     n = 0
     for quant in quants:
