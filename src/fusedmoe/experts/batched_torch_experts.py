@@ -6,12 +6,12 @@ expert (no host sync, so the call can be captured in a CUDA graph), with the gat
     gate_up[e] = a[e] @ w1[e].T ;  act[e] = act_fn(gate) * up ;  y[e] = act[e] @ w2[e].T
 
 The padded rows past ``expert_num_tokens[e]`` are never written by prepare (garbage or NaN), and a matrix
-product need not keep them to their own output rows: torch 2.11's CPU bf16 ``bmm`` spreads a NaN input row into
-valid rows (torch 2.13's does not; seen through the hypothesis properties on the GPU machine's host). So GEMM1
-reads a copy of the input whose padded rows are 0 (a planned buffer, the caller's input
-untouched); every later row-wise step keeps padded rows finite, and finalize never reads them. There is no
-reduction over rows and no per-tensor scale. The cost is the full E*T rows; the Triton batched experts compute
-the valid rows only.
+product need not keep them to their own output rows: torch 2.11's CPU bf16 ``bmm`` spreads a NaN input row
+into valid rows (torch 2.13's does not; seen through the hypothesis properties on the GPU machine's host).
+So GEMM1 reads a copy of the input (a planned buffer; the caller's tensor is untouched) whose padded rows are
+0; every later step is row-wise and keeps padded rows finite, and finalize never reads them. There is no
+reduction over rows and no per-tensor scale. The cost is the full E*T rows; the Triton batched experts
+compute the valid rows only.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ class WorkspaceManager:
             if spec.zero is not None and spec.nbytes:
                 ws.views[spec.name].zero_()
         with self._lock:
-            self.stats.poison_fills += self.poison
+            self.stats.poison_fills += int(self.poison)
             self.stats.bytes_zeroed += sum(zeroed)
             self.stats.zero_fills += len(zeroed)
 
