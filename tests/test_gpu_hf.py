@@ -48,7 +48,8 @@ def test_bf16_equivalence(arch, mode):
     Two bf16 models differ by rounding, and a token whose top-k is a near tie can route differently in one of
     them (one flipped token moves these tiny models' logits by several percent). So the bound may be exceeded
     only when one of the two bf16 models routed some token differently from the float32 model of the same
-    weights; test_bf16_block_equivalence then checks each replaced module on identical inputs."""
+    weights, and then only up to 0.1 (the H200 saw 0.058 for one flipped gpt-oss token);
+    test_bf16_block_equivalence checks each replaced module on identical inputs."""
     ids = prompt(device=DEV)
     truth, truth_routes = routed_logits(tiny_model(arch, device=DEV), ids)
     model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
@@ -63,6 +64,7 @@ def test_bf16_equivalence(arch, mode):
     if err >= BF16_TOL:
         flips = routes_differ(ref_routes, truth_routes) + routes_differ(our_routes, truth_routes)
         assert flips > 0, f"{err:.4f} from the unpatched model, though both route exactly like float32"
+        assert err < 5 * BF16_TOL, f"{err:.4f} from the unpatched model: more than a few flipped tokens explain"
 
 
 @pytest.mark.parametrize("mode", ["patch", "register"])
