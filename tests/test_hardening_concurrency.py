@@ -18,6 +18,7 @@ import threading
 
 import pytest
 import torch
+from hardening_util import Launch, decode_path
 
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe
 from fusedmoe.ops.configs import MoEConfig, pinned_config
@@ -82,34 +83,6 @@ def run_threads(fns, barrier: threading.Barrier | None = None) -> list:
     if errors:
         raise errors[0]
     return results
-
-
-class Launch:
-    """Stands in for a @triton.jit kernel in its module: ``kernel[grid](...)`` runs ``around`` around the launch."""
-
-    def __init__(self, real, around):
-        self.real, self.around = real, around
-
-    def __getitem__(self, grid):
-        def launch(*a, **k):
-            with self.around():
-                return self.real[grid](*a, **k)
-
-        return launch
-
-
-@contextlib.contextmanager
-def decode_path(on: bool):
-    """Switch the Triton decode path on or off for the duration (restoring the process setting)."""
-    from fusedmoe.api import set_decode_path
-    from fusedmoe.ops import decode
-
-    old = decode.ENABLED
-    set_decode_path(on)
-    try:
-        yield
-    finally:
-        set_decode_path(old)
 
 
 def pause_before_first_gemm(monkeypatch, backend: str, barrier: threading.Barrier) -> None:

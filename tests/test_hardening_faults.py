@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from hardening_util import Launch, decode_path
 
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe
 from fusedmoe.ops.configs import MoEConfig, pinned_config
@@ -36,33 +37,6 @@ class Injected(RuntimeError):
 def _pin():
     with pinned_config(MoEConfig.simple(16, 32, 32)):
         yield
-
-
-@contextlib.contextmanager
-def decode_path(on: bool):
-    from fusedmoe.api import set_decode_path
-    from fusedmoe.ops import decode
-
-    old = decode.ENABLED
-    set_decode_path(on)
-    try:
-        yield
-    finally:
-        set_decode_path(old)
-
-
-class Launch:
-    """Stands in for a @triton.jit kernel in its module: ``kernel[grid](...)`` calls ``before`` first."""
-
-    def __init__(self, real, before):
-        self.real, self.before = real, before
-
-    def __getitem__(self, grid):
-        def launch(*a, **k):
-            self.before()
-            return self.real[grid](*a, **k)
-
-        return launch
 
 
 def args(M: int = 7, seed: int = 0) -> dict:  # 14 slots: on the decode path when it is switched on
@@ -136,7 +110,12 @@ def inject(monkeypatch, backend: str, after: int = 0) -> list:
             return real(*a, **k)
 
         monkeypatch.setattr(mod, "moe_gemm2", gemm2)
-        monkeypatch.setattr(decode, "_decode_gemm2", Launch(decode._decode_gemm2, hit))
+        @contextlib.contextmanager
+        def hit_first():
+            hit()
+            yield
+
+        monkeypatch.setattr(decode, "_decode_gemm2", Launch(decode._decode_gemm2, hit_first))
     return seen
 
 
