@@ -32,7 +32,7 @@ def experts_alone(arch: str) -> dict[str, float]:
     """One experts module on random hidden states with transformers' own routing: eager bf16 and fusedmoe bf16
     vs the same module in float64."""
     model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
-    experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed"))
+    experts = hf.experts_modules(model)[0]
     E = experts.num_experts
     g = torch.Generator(device=DEV).manual_seed(3)
     h = torch.randn(24, model.config.hidden_size, device=DEV, generator=g).to(torch.bfloat16)

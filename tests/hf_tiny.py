@@ -76,16 +76,12 @@ def prompt(batch: int = 2, length: int = 12, seed: int = 1, device="cpu") -> tor
     return torch.randint(2, COMMON["vocab_size"], (batch, length), generator=g).to(device)
 
 
-def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformers experts modules of ``model`` (those the experts interface dispatches)."""
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_transposed")]
-
-
 def routed_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(float32 logits, the sorted top-k expert ids of every routing decision, in call order): transformers' own
     routing (the ids its experts modules receive) or, in a patched model, the ids fusedmoe's layers chose. Used
     to tell a near-tie routing flip from an error in the experts."""
     from fusedmoe import FusedMoE
+    from fusedmoe.integrations.hf import experts_modules
 
     seen: list[torch.Tensor] = []
 

@@ -9,7 +9,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from hf_tiny import ARCHS, experts_modules, prompt, routed_logits, routes_differ, tiny_model  # noqa: E402
+from hf_tiny import ARCHS, prompt, routed_logits, routes_differ, tiny_model  # noqa: E402
 
 from fusedmoe import FusedMoE, WorkspaceFrozenError, WorkspaceManager  # noqa: E402
 from fusedmoe.api import resolve_backend  # noqa: E402
@@ -77,7 +77,7 @@ def test_bf16_block_equivalence(arch, mode):
     ref_model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
     model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
     _use_fusedmoe(model, mode)
-    replaced = experts_modules(model) if mode == "register" else []
+    replaced = hf.experts_modules(model) if mode == "register" else []
     names = [n for n, m in model.named_modules() if isinstance(m, hf.FusedMoEBlock) or any(m is r for r in replaced)]
     captured = {}
 

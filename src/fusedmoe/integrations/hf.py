@@ -36,6 +36,7 @@ __all__ = [
     "PATCHABLE_BLOCKS",
     "FusedMoEBlock",
     "attach_workspace",
+    "experts_modules",
     "fusedmoe_experts_forward",
     "patch_model",
     "register",
@@ -78,11 +79,19 @@ def attach_workspace(model: nn.Module, workspace: WorkspaceManager | None = None
     if workspace is None:
         workspace = WorkspaceManager(_model_device(model))
     workspace_id(workspace)
-    for m in model.modules():
-        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed"):
-            m._fusedmoe_workspace = workspace
-            m._fusedmoe_backend = backend
+    for m in experts_modules(model):
+        m._fusedmoe_workspace = workspace
+        m._fusedmoe_backend = backend
     return workspace
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The transformers experts modules of ``model``: those its experts interface dispatches (and that the
+    ``"fusedmoe"`` implementation computes)."""
+    return [
+        m for m in model.modules()
+        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed")
+    ]
 
 
 def _model_device(model: nn.Module) -> torch.device:
