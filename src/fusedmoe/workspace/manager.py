@@ -319,14 +319,16 @@ class WorkspaceManager:
         """Apply poison and the declared zero requirements to a workspace's views (in that order)."""
         if self.poison:
             poison_views(ws)
-        zeroed = [spec.nbytes for spec in ws.plan.buffers if spec.zero is not None and spec.nbytes]
+        zeroed_bytes = zero_fills = 0
         for spec in ws.plan.buffers:
             if spec.zero is not None and spec.nbytes:
                 ws.views[spec.name].zero_()
+                zeroed_bytes += spec.nbytes
+                zero_fills += 1
         with self._lock:
             self.stats.poison_fills += int(self.poison)
-            self.stats.bytes_zeroed += sum(zeroed)
-            self.stats.zero_fills += len(zeroed)
+            self.stats.bytes_zeroed += zeroed_bytes
+            self.stats.zero_fills += zero_fills
 
 
 def poison_views(ws: Workspace) -> None:
