@@ -11,6 +11,7 @@ from fusedmoe.layer import FusedMoE
 from fusedmoe.prepare_finalize.batched import BatchedCapacityError, BatchedPrepareFinalize
 from fusedmoe.problem import Layout, MoEProblem
 from fusedmoe.reference import fused_moe_reference, relative_error
+from fusedmoe.steps import Call
 from fusedmoe.workspace.manager import WorkspaceManager
 
 
@@ -95,7 +96,9 @@ def test_counts_and_padded_rows_untouched():
     pf = BatchedPrepareFinalize()
     kernel = MoEKernel(pf, BatchedTorchExperts())
     ws = WorkspaceManager("cpu", poison=True).acquire(kernel.plan(p))
-    prepared = pf.prepare(ExpertsInputs(x, w1, w2, tw, ids), p, ws)
+    c = Call(p, None, ExpertsInputs(x, w1, w2, tw, ids), torch.empty(M, H), pf)
+    kernel.program(p)[0].run(0, c, ws.views)  # prepare's steps alone
+    prepared = c.prepared
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E).int()
     assert torch.equal(prepared.expert_num_tokens, counts)
     a = prepared.hidden_states

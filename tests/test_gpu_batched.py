@@ -13,6 +13,7 @@ from fusedmoe.prepare_finalize.batched import BatchedPrepareFinalize
 from fusedmoe.problem import MoEProblem
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
+from fusedmoe.steps import Call, Program
 from fusedmoe.workspace.manager import WorkspaceManager, poison_views
 
 pytestmark = pytest.mark.gpu
@@ -125,9 +126,9 @@ def test_seed_case_fp8_per_tensor_garbage_in_padded_rows():
     w1q, w2q, s1, s2 = quantize_weights(w1, w2, q)
     p = MoEProblem(E * T, H, I, E, E, 1, torch.bfloat16, w1q.dtype, quant=q, max_tokens_per_expert=T)
     ex = BatchedTritonExperts()
-    from fusedmoe.workspace.plan import WorkspacePlan
-
-    plan = WorkspacePlan.merge(ex.plan(p))
+    launch = ex.launch(p)
+    prog = Program([], ex.steps(p, launch), [], ex.buffers(p, launch))  # the experts alone
+    plan = prog.plan
     assert plan.zero_nbytes == 0
     pad = torch.arange(T, device=DEV)[None, :] >= counts[:, None]
 
@@ -138,8 +139,8 @@ def test_seed_case_fp8_per_tensor_garbage_in_padded_rows():
             x[pad] = 3.0e4
             x[:, -1][pad[:, -1]] = float("nan")
         out = torch.full((E, T, H), float("nan") if garbage else 0.0, device=DEV, dtype=torch.bfloat16)
-        ex.apply(out, ExpertsInputs(x, w1q, w2q, None, None, expert_num_tokens=counts, w1_scale=s1, w2_scale=s2),
-                 p, ws)
+        inputs = ExpertsInputs(x, w1q, w2q, None, None, expert_num_tokens=counts, w1_scale=s1, w2_scale=s2)
+        prog.run(1, Call(p, launch, inputs, out, ex), ws.views)
         return out[~pad]
 
     assert torch.equal(run(False), run(True))

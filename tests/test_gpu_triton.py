@@ -4,6 +4,7 @@ equality eager and under CUDA-graph replay with a frozen shared arena."""
 import pytest
 import torch
 
+from fusedmoe import LocalPrepareFinalize, MoEKernel
 from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.experts.triton_experts import TritonExperts
 from fusedmoe.ops.align import align_params, align_reference, moe_align
@@ -12,7 +13,6 @@ from fusedmoe.problem import MoEProblem
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.workspace.manager import WorkspaceManager
-from fusedmoe.workspace.plan import WorkspacePlan
 
 pytestmark = pytest.mark.gpu
 
@@ -78,11 +78,10 @@ def test_preset_vs_reference(name, dtype, M):
     emap = _emap(E, gE)
     x, ids, tw = _inputs(M, H, gE, k, seed=M)
     p = _problem(M, H, I, E, gE, k, w1, q, emap)
-    ex = TritonExperts()
-    assert ex.supports(p) is None
-    ws = WorkspaceManager(DEV, poison=True).acquire(WorkspacePlan.merge(ex.plan(p)))
-    out = torch.empty(M, H, device=DEV, dtype=torch.bfloat16)
-    ex.apply(out, ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p, ws)
+    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
+    assert kernel.unsupported(p) is None
+    out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p,
+                 manager=WorkspaceManager(DEV, poison=True))
     ref = fused_moe_reference(x, w1, w2, tw, ids, expert_map=emap, global_num_experts=gE, quant=q, **kw)
     tol = 2e-2 if q is None else 6e-2
     if ref.norm() == 0:  # an EP slice may own none of the chosen experts
@@ -110,13 +109,11 @@ def test_poison_eager_and_cuda_graph(quant, M):
     w1, w2, q, kw = _weights(name + "-slice", E, H, I, quant)
     emap = _emap(E, gE)
     p = _problem(M, H, I, E, gE, k, w1, q, emap)
-    ex = TritonExperts()
-    plan = WorkspacePlan.merge(ex.plan(p))
+    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
+    plan = kernel.plan(p)
 
     def eager(x, ids, tw, mgr):
-        out = torch.empty(M, H, device=DEV, dtype=torch.bfloat16)
-        ex.apply(out, ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p, mgr.acquire(plan))
-        return out
+        return kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p, manager=mgr)
 
     a = _inputs(M, H, gE, k, seed=1)
     clean = eager(*a, WorkspaceManager(DEV, strategy="alloc_zeros"))
@@ -133,11 +130,11 @@ def test_poison_eager_and_cuda_graph(quant, M):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ex.apply(out_s, inputs, p, ws)  # warm up (compile) outside the capture
+        kernel.run(inputs, p, ws, out_s)  # warm up (compile) outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ex.apply(out_s, inputs, p, ws)
+        kernel.run(inputs, p, ws, out_s)
     b = _inputs(M, H, gE, k, seed=2)
     for dst, src in zip((x_s, ids_s, tw_s), b):
         dst.copy_(src)

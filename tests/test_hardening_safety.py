@@ -31,7 +31,6 @@ from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.ops.configs import MoEConfig, pinned_config
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.workspace.manager import Workspace, poison_views
-from fusedmoe.workspace.plan import WorkspacePlan
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
@@ -232,8 +231,8 @@ def test_every_view_and_the_output_are_guarded(backend, name, monkeypatch):
     backend = use_backend(backend, monkeypatch)
     a, kw = case(name)
     p = problem(a, kw)
-    experts = get_kernel(backend).experts
-    plan = WorkspacePlan.merge(experts.plan(p))
+    kernel = get_kernel(backend)
+    plan = kernel.plan(p)
     guards = Canaries(seed=1)
     views = {b.name: guards.tensor(b.name, b.shape, b.dtype) for b in plan.buffers}
     ws = Workspace(plan, views, None)
@@ -243,7 +242,7 @@ def test_every_view_and_the_output_are_guarded(backend, name, monkeypatch):
     g = guarded_inputs({**a, **kw})
     x = ExpertsInputs(g["hidden_states"], g["w1"], g["w2"], g["topk_weights"], g["topk_ids"],
                       expert_map=g.get("expert_map"))
-    experts.apply(out, x, p, ws)
+    kernel.run(x, p, ws, out)
     guards.assert_intact()
     check_result(out.clone(), a, kw)
 

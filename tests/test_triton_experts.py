@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from fusedmoe import LocalPrepareFinalize, MoEKernel
 from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.experts.triton_experts import TritonExperts
 from fusedmoe.ops.configs import MoEConfig, pinned_config
@@ -13,7 +14,6 @@ from fusedmoe.problem import MoEProblem
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.workspace.manager import WorkspaceManager
-from fusedmoe.workspace.plan import WorkspacePlan
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-interpreter tests; the GPU runs tests/test_gpu_triton.py"
@@ -57,11 +57,10 @@ def _run(x, w1, w2, tw, ids, q, kw, *, activation="silu", on_input=False, emap=N
                    emap is not None, q)
     ex = TritonExperts()
     assert ex.supports(p) is None
-    plan = WorkspacePlan.merge(ex.plan(p))
-    assert plan.zero_nbytes == 0
-    ws = WorkspaceManager("cpu", strategy=strategy, poison=poison).acquire(plan)
-    out = torch.empty(M, H, dtype=x.dtype)
-    ex.apply(out, ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p, ws)
+    kernel = MoEKernel(LocalPrepareFinalize(), ex)
+    assert kernel.plan(p).zero_nbytes == 0
+    out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p,
+                 manager=WorkspaceManager("cpu", strategy=strategy, poison=poison))
     ref = fused_moe_reference(x, w1, w2, tw, ids, activation=activation, apply_router_weight_on_input=on_input,
                               expert_map=emap, global_num_experts=gE, quant=q, **kw)
     return out, ref
@@ -137,7 +136,7 @@ def test_multi_program_alignment_path(monkeypatch):
 
     def clear():
         align.align_params.cache_clear()
-        get_kernel("triton").experts._launches.clear()
+        get_kernel("triton")._programs.clear()
 
     monkeypatch.setattr(align, "SINGLE_MAX_SLOTS", 256)  # 70 * 8 = 560 slots -> two launches
     clear()
@@ -153,14 +152,14 @@ def test_multi_program_alignment_path(monkeypatch):
 
 
 def test_plan_is_pure_and_aliases():
-    ex = TritonExperts()
+    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
     p = MoEProblem(64, 2048, 768, 128, 128, 8, torch.float32, torch.float32)
-    a, b = ex.plan(p), ex.plan(p)
+    a, b = kernel.plan(p), MoEKernel(LocalPrepareFinalize(), TritonExperts()).plan(p)
     assert a == b
-    names = {s.name for s in a}
+    names = {s.name for s in a.buffers}
     assert {"sorted_ids", "block_expert", "num_padded", "act", "y"} <= names
     q = MoEProblem(64, 2048, 768, 128, 128, 8, torch.float32, torch.float8_e4m3fn, quant=QuantConfig("fp8_tensor"))
-    plan = WorkspacePlan.merge(ex.plan(q))
+    plan = kernel.plan(q)
     assert plan.nbytes < plan.sum_nbytes  # y reuses the bytes of buffers dead before GEMM2
     assert all(s.zero is None for s in plan.buffers)
 

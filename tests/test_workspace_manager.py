@@ -14,7 +14,6 @@ from fusedmoe import (
     BufferSpec,
     FusedMoE,
     MoEProblem,
-    Phase,
     WorkspaceFrozenError,
     WorkspaceManager,
     WorkspacePlan,
@@ -78,11 +77,11 @@ def custom_plan():
     """A plan with int, float and bf16 buffers (all live at once, so none alias), one with a declared zero
     requirement, one zero-sized."""
     return WorkspacePlan((
-        BufferSpec("ids", (37,), torch.int32, Phase.ALIGN, Phase.REDUCE),
-        BufferSpec("acc", (5, 7), torch.float32, Phase.GEMM1, Phase.REDUCE, zero="accumulated into"),
-        BufferSpec("rows", (9, 40), torch.bfloat16, Phase.GATHER, Phase.GEMM2, region="2"),
-        BufferSpec("big", (1000,), torch.float32, Phase.PREPARE, Phase.FINALIZE),
-        BufferSpec("none", (0, 3), torch.float32, Phase.ALIGN, Phase.ALIGN),
+        BufferSpec("ids", (37,), torch.int32, 1, 6),
+        BufferSpec("acc", (5, 7), torch.float32, 3, 6, zero="accumulated into"),
+        BufferSpec("rows", (9, 40), torch.bfloat16, 2, 5, region="2"),
+        BufferSpec("big", (1000,), torch.float32, 0, 7),
+        BufferSpec("none", (0, 3), torch.float32, 1, 1),
     ))
 
 

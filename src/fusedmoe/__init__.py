@@ -18,10 +18,11 @@ from .prepare_finalize import (
 from .problem import Layout, MoEProblem
 from .quant import QuantConfig
 from .routing import route
+from .steps import Call, Program, Step, step
 from .workspace import (
     STRATEGIES,
     BufferSpec,
-    Phase,
+    PlanError,
     Workspace,
     WorkspaceError,
     WorkspaceFrozenError,
@@ -69,6 +70,7 @@ __all__ = [
     "Transport",
     "STRATEGIES",
     "BufferSpec",
+    "Call",
     "Experts",
     "ExpertsInputs",
     "FusedMoE",
@@ -76,9 +78,11 @@ __all__ = [
     "LocalPrepareFinalize",
     "MoEKernel",
     "MoEProblem",
-    "Phase",
+    "PlanError",
     "PrepareFinalize",
+    "Program",
     "QuantConfig",
+    "Step",
     "TorchExperts",
     "TritonExperts",
     "Workspace",
@@ -93,4 +97,5 @@ __all__ = [
     "quantize_weights",
     "resolve_backend",
     "route",
+    "step",
 ]

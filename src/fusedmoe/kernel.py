@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 
 from .experts.base import Experts, ExpertsInputs
 from .prepare_finalize.base import PrepareFinalize
 from .problem import MoEProblem
+from .steps import Call, Program
 from .workspace.manager import Workspace, WorkspaceManager, caller_workspace
 from .workspace.plan import WorkspacePlan
+
+#: Inputs a caller workspace must not overlap.
+_PROTECTED = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "w1_scale", "w2_scale",
+              "a1_scale", "a2_scale", "w1_bias", "w2_bias")
 
 
 class MoEKernel:
     """The modular MoE kernel.
 
-    ``plan(p)`` merges the scratch needs of prepare/finalize and the experts into one :class:`WorkspacePlan`
-    (cached per problem). ``__call__`` takes the workspace from a manager (or the caller's tensors), runs the
-    three stages and returns a fresh output tensor [M, H] (never a workspace view: it outlives the next call).
+    ``program(p)`` assembles prepare's, the experts' and finalize's steps for problem ``p`` and the experts'
+    launch for it (:meth:`Experts.launch`) into one :class:`~fusedmoe.steps.Program`, whose plan takes its
+    lifetimes from the steps; programs are cached by ``(problem, launch)``. ``__call__`` takes the workspace from
+    a manager (or the caller's tensors), runs the three segments and returns a fresh output tensor [M, H]
+    (never a workspace view: it outlives the next call). In poison mode it also checks that arena views cross
+    component boundaries only inside exported buffers.
     """
 
     #: With no tokens there is nothing to compute; an expert-parallel rank must still run its collectives.
@@ -30,7 +40,7 @@ class MoEKernel:
             )
         self.prepare_finalize = prepare_finalize
         self.experts = experts
-        self._plans: dict[MoEProblem, WorkspacePlan] = {}
+        self._programs: dict[tuple[MoEProblem, Hashable], tuple[Program, MoEProblem]] = {}
         self._unsupported: dict[MoEProblem, str | None] = {}
 
     def __repr__(self) -> str:
@@ -41,29 +51,37 @@ class MoEKernel:
         try:
             return self._unsupported[p]
         except KeyError:
-            reason = self._unsupported[p] = self.experts.supports(p)
+            reason = self._unsupported[p] = self.experts.supports(self.prepare_finalize.problem(p))
             return reason
 
+    def program(self, p: MoEProblem) -> tuple[Program, MoEProblem, Hashable]:
+        """(program, the experts' problem, the experts' launch) of ``p``; cached by (problem, launch)."""
+        pf, ex = self.prepare_finalize, self.experts
+        inner = pf.problem(p)
+        launch = ex.launch(inner)
+        key = (p, launch)
+        hit = self._programs.get(key)
+        if hit is None:
+            prog = Program(pf.prepare_steps(p), ex.steps(inner, launch), pf.finalize_steps(p),
+                           [*pf.buffers(p), *ex.buffers(inner, launch)], pf.exports(p))
+            if len(self._programs) > 4096:  # bound the cache under adversarial shape churn
+                self._programs.clear()
+            hit = self._programs[key] = (prog, inner)
+        return hit[0], hit[1], launch
+
     def plan(self, p: MoEProblem) -> WorkspacePlan:
-        plan = self._plans.get(p)
-        if plan is None:
-            inner = self.prepare_finalize.problem(p)
-            plan = WorkspacePlan.merge(self.prepare_finalize.plan(p), self.experts.plan(inner))
-            if len(self._plans) > 4096:  # bound the cache under adversarial shape churn
-                self._plans.clear()
-            self._plans[p] = plan
-        return plan
+        """The workspace plan of one call of ``p`` (under the launch configuration in effect now)."""
+        return self.program(p)[0].plan
 
     def workspace(
         self,
-        p: MoEProblem,
+        plan: WorkspacePlan,
         x: ExpertsInputs,
         manager: WorkspaceManager,
         owner: object = None,
         workspace13: torch.Tensor | None = None,
         workspace2: torch.Tensor | None = None,
     ) -> Workspace:
-        plan = self.plan(p)
         if workspace13 is None and workspace2 is None:
             return manager.acquire(plan, owner)
         ws = caller_workspace(
@@ -72,23 +90,7 @@ class MoEKernel:
             workspace2,
             dtype=x.hidden_states.dtype,
             device=x.hidden_states.device,
-            protected={
-                name: getattr(x, name)
-                for name in (
-                    "hidden_states",
-                    "w1",
-                    "w2",
-                    "topk_weights",
-                    "topk_ids",
-                    "expert_map",
-                    "w1_scale",
-                    "w2_scale",
-                    "a1_scale",
-                    "a2_scale",
-                    "w1_bias",
-                    "w2_bias",
-                )
-            },
+            protected={name: getattr(x, name) for name in _PROTECTED},
         )
         for spec in plan.buffers:  # declared zero regions hold for caller memory too
             if spec.zero is not None and spec.nbytes:
@@ -107,12 +109,23 @@ class MoEKernel:
     ) -> torch.Tensor:
         hidden = x.hidden_states
         output = torch.empty((p.M, p.H), dtype=hidden.dtype, device=hidden.device)
-        ws = self.workspace(p, x, manager, owner, workspace13, workspace2)
+        ws = self.workspace(self.plan(p), x, manager, owner, workspace13, workspace2)
         if p.M == 0 and self.skip_empty:
             return output
-        prepared = self.prepare_finalize.prepare(x, p, ws)
-        inner = self.prepare_finalize.problem(p)
-        expert_out = self.prepare_finalize.expert_output(output, inner, ws)
-        self.experts.apply(expert_out, prepared, inner, ws)
-        self.prepare_finalize.finalize(output, expert_out, x, p, ws)
+        self.run(x, p, ws, output, check=manager.poison)  # boundary checks ride along with poison runs
         return output
+
+    def run(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace, output: torch.Tensor, *, check: bool = False) -> None:
+        """Run the three segments of ``p``'s program on the views of ``ws`` (a workspace for ``self.plan(p)``),
+        writing ``output`` [M, H]. With ``check`` and an arena behind ``ws``, verify that arena views cross
+        component boundaries only inside exported buffers and never sit in a step context's ``state``."""
+        prog, inner, launch = self.program(p)
+        views = ws.views
+        arena = ws.arena if check else None
+        pf = Call(p, None, x, output, self.prepare_finalize)
+        prog.run(0, pf, views, arena)
+        expert_out = self.prepare_finalize.expert_output(output, inner, ws)
+        if arena is not None:
+            prog.check_exported({**pf.prepared.tensors(), "expert output": expert_out}, views, arena)
+        prog.run(1, Call(inner, launch, pf.prepared, expert_out, self.experts), views, arena)
+        prog.run(2, pf, views, arena)

@@ -1,14 +1,15 @@
-"""The experts interface of the modular kernel: plan the scratch, then compute."""
+"""The experts interface of the modular kernel: declare scratch buffers and the steps that use them."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, fields
 
 import torch
 
 from ..problem import Layout, MoEProblem
-from ..workspace.manager import Workspace
+from ..steps import Step
 from ..workspace.plan import BufferSpec
 
 
@@ -36,11 +37,16 @@ class ExpertsInputs:
     w1_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
 
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """Every field by name (the tensors a component hands to the next)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 class Experts(ABC):
-    """One way of computing the experts. Never allocates scratch: everything comes from ``plan``.
+    """One way of computing the experts. Never allocates scratch: it declares buffers and the steps that use
+    them, and the kernel derives lifetimes from the steps (:mod:`fusedmoe.steps`).
 
-    ``apply`` writes ``output``: for the standard layout the reduced layer output [M, H] (top-k already weighted
+    The steps write ``c.out``: for the standard layout the reduced layer output [M, H] (top-k already weighted
     and summed); for the batched layout the per-expert outputs [E_local, max_tokens, H] (finalize reduces).
     """
 
@@ -52,10 +58,16 @@ class Experts(ABC):
         """None if this implementation can run ``p``, else the reason it cannot."""
         return None
 
-    @abstractmethod
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
-        """The scratch buffers ``apply`` will use for problem ``p`` (a pure function of ``p``)."""
+    def launch(self, p: MoEProblem) -> Hashable | None:
+        """Everything besides ``p`` that sizes scratch or picks kernels (tile sizes, code path), as one
+        hashable value. Plans are cached by ``(problem, launch)``, so nothing that sizes a buffer may be left
+        out of it. None for implementations without launch choices."""
+        return None
 
     @abstractmethod
-    def apply(self, output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
-        """Compute the experts for ``x`` into ``output`` using only ``ws``'s views as scratch."""
+    def buffers(self, p: MoEProblem, launch: Hashable | None) -> list[BufferSpec]:
+        """The scratch buffers (no lifetimes) the steps of ``p`` name; a pure function of its arguments."""
+
+    @abstractmethod
+    def steps(self, p: MoEProblem, launch: Hashable | None) -> list[Step]:
+        """The steps of one call of ``p`` in execution order."""

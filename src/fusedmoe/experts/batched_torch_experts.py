@@ -20,9 +20,34 @@ import torch
 
 from ..prepare_finalize.batched import _arange
 from ..problem import Layout, MoEProblem
-from ..workspace.manager import Workspace
-from ..workspace.plan import BufferSpec, Phase
-from .base import Experts, ExpertsInputs
+from ..steps import step
+from ..workspace.plan import BufferSpec
+from .base import Experts
+from .torch_experts import activate
+
+
+@step
+def _copy_valid_rows(c, bt_padded, bt_a):
+    p, x = c.p, c.x
+    E, T = p.E, p.max_tokens_per_expert
+    torch.ge(_arange(T, bt_a.device).view(1, T, 1), x.expert_num_tokens.view(E, 1, 1), out=bt_padded)
+    bt_a.copy_(x.hidden_states).masked_fill_(bt_padded, 0.0)
+
+
+@step
+def _gemm1(c, bt_a, bt_gate_up):
+    torch.bmm(bt_a, c.x.w1.transpose(1, 2), out=bt_gate_up)
+
+
+@step
+def _activate(c, bt_gate_up, bt_act):
+    I = c.p.I
+    activate(bt_gate_up[..., :I], bt_gate_up[..., I:], c.p.activation, bt_act)
+
+
+@step
+def _gemm2(c, bt_act):
+    torch.bmm(bt_act, c.x.w2.transpose(1, 2), out=c.out)
 
 
 class BatchedTorchExperts(Experts):
@@ -42,40 +67,21 @@ class BatchedTorchExperts(Experts):
             return f"weight dtype {p.weight_dtype} must match the activation dtype {p.dtype}"
         return None
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
+    def buffers(self, p: MoEProblem, launch=None) -> list[BufferSpec]:
         E, T, I = p.E, p.max_tokens_per_expert, p.I
+        if E * T == 0:
+            return []
         return [
-            BufferSpec("bt_padded", (E, T, 1), torch.bool, Phase.GEMM1, Phase.GEMM1, region="2"),
-            BufferSpec("bt_a", (E, T, p.H), p.dtype, Phase.GEMM1, Phase.GEMM1, region="13"),
-            BufferSpec("bt_gate_up", (E, T, 2 * I), p.dtype, Phase.GEMM1, Phase.ACTIVATION, region="2"),
-            BufferSpec("bt_act", (E, T, I), p.dtype, Phase.ACTIVATION, Phase.GEMM2, region="13"),
+            BufferSpec("bt_padded", (E, T, 1), torch.bool, region="2"),
+            BufferSpec("bt_a", (E, T, p.H), p.dtype, region="13"),
+            BufferSpec("bt_gate_up", (E, T, 2 * I), p.dtype, region="2"),
+            BufferSpec("bt_act", (E, T, I), p.dtype, region="13"),
         ]
 
-    def apply(self, output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
-        if x.w1_bias is not None or x.w2_bias is not None:
-            raise NotImplementedError("the batched torch experts do not implement expert biases")
-        E, T, I = p.E, p.max_tokens_per_expert, p.I
-        if E == 0 or T == 0:
-            return
-        padded, a = ws["bt_padded"], ws["bt_a"]
-        torch.ge(_arange(T, a.device).view(1, T, 1), x.expert_num_tokens.view(E, 1, 1), out=padded)
-        a.copy_(x.hidden_states).masked_fill_(padded, 0.0)
-        gate_up, act = ws["bt_gate_up"], ws["bt_act"]
-        torch.bmm(a, x.w1.transpose(1, 2), out=gate_up)
-        gate, up = gate_up[..., :I], gate_up[..., I:]
-        if p.activation == "silu":
-            torch.ops.aten.silu.out(gate, out=act)
-        elif p.activation == "gelu":
-            torch.ops.aten.gelu.out(gate, approximate="tanh", out=act)
-        else:  # swigluoai (gpt-oss): min(g, L) * sigmoid(alpha * min(g, L)) * (clamp(u, -L, L) + 1)
-            from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
-
-            gate.clamp_(max=SWIGLUOAI_LIMIT)
-            up.clamp_(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT).add_(1.0)
-            torch.mul(gate, SWIGLUOAI_ALPHA, out=act)
-            act.sigmoid_().mul_(gate)
-        act.mul_(up)
-        torch.bmm(act, x.w2.transpose(1, 2), out=output)
+    def steps(self, p: MoEProblem, launch=None):
+        if p.E * p.max_tokens_per_expert == 0:
+            return []
+        return [_copy_valid_rows, _gemm1, _activate, _gemm2]
 
 
 __all__ = ["BatchedTorchExperts"]

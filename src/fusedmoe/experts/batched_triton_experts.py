@@ -14,124 +14,179 @@ No host sync, no allocation: the call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..ops import configs
 from ..ops.batched_gemm import _ACTIVATIONS, batched_gemm1, batched_gemm2
 from ..ops.batched_quantize import batched_num_partials, batched_quantize
-from ..ops.configs import MoEConfig, device_name, get_config
+from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
 from ..ops.quantize import scale_shape
 from ..problem import Layout, MoEProblem
 from ..quant import FP8_DTYPE
-from ..workspace.manager import Workspace
-from ..workspace.plan import BufferSpec, Phase
-from .base import Experts, ExpertsInputs
-from .triton_experts import TritonExperts
+from ..steps import step
+from ..workspace.plan import BufferSpec
+from .base import Experts
+from .triton_experts import TritonExperts, _smem_limit, _w_scale, operand_bytes
+
+
+@dataclass(frozen=True)
+class BatchedLaunch:
+    """Tile configs (fitted to the element size) and settings of one batched problem."""
+
+    config: MoEConfig
+    quant_mode: str | None
+    static_scale: bool
+    block_shape: tuple[int, int]
+    ieee: bool
+
+
+def _counts(c) -> torch.Tensor:
+    counts = c.x.expert_num_tokens
+    if counts is None or counts.dtype != torch.int32:
+        raise TypeError("the batched experts need expert_num_tokens (int32 [E])")
+    return counts
+
+
+@step
+def _quantize_input(c, bx_a1q, bx_a1_scale=None, bx_a1_partial=None):
+    x, p, L = c.x, c.p, c.launch
+    if L.static_scale and (x.a1_scale is None or x.a2_scale is None):
+        raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
+    if x.hidden_states.dtype == FP8_DTYPE:  # quantized by prepare
+        return
+    E, T = p.E, p.max_tokens_per_expert
+    batched_quantize(x.hidden_states.reshape(E * T, p.H), _counts(c), T, L.quant_mode, out=bx_a1q,
+                     scale_out=bx_a1_scale, static_scale=x.a1_scale if L.static_scale else None,
+                     partial=bx_a1_partial, group_k=L.block_shape[1])
+
+
+def _gemm1_call(c, a, a_scale, bx_act) -> None:
+    x, p, L = c.x, c.p, c.launch
+    batched_gemm1(a, x.w1, bx_act.view(p.E, p.max_tokens_per_expert, p.I), _counts(c), config=L.config.gemm1,
+                  activation=p.activation, quant_mode=L.quant_mode, a_scale=a_scale,
+                  w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E), block_shape=L.block_shape, fp32_ieee=L.ieee)
+
+
+@step
+def _gemm1(c, bx_act):
+    _gemm1_call(c, c.x.hidden_states, None, bx_act)
+
+
+@step
+def _gemm1_fp8(c, bx_a1q, bx_act, bx_a1_scale=None):
+    x, p, L = c.x, c.p, c.launch
+    if x.hidden_states.dtype == FP8_DTYPE:
+        if x.a1_scale is None:
+            raise ValueError("fp8 hidden_states need a1_scale")
+        a, a_scale = x.hidden_states, x.a1_scale
+    else:
+        a = bx_a1q.view(p.E, p.max_tokens_per_expert, p.H)
+        a_scale = x.a1_scale if L.static_scale else bx_a1_scale
+    _gemm1_call(c, a, a_scale, bx_act)
+
+
+@step
+def _quantize_act(c, bx_act, bx_a2q, bx_a2_scale=None, bx_a2_partial=None):
+    x, p, L = c.x, c.p, c.launch
+    batched_quantize(bx_act, _counts(c), p.max_tokens_per_expert, L.quant_mode, out=bx_a2q, scale_out=bx_a2_scale,
+                     static_scale=x.a2_scale if L.static_scale else None, partial=bx_a2_partial,
+                     group_k=L.block_shape[1])
+
+
+def _gemm2_call(c, a, a_scale) -> None:
+    x, p, L = c.x, c.p, c.launch
+    batched_gemm2(a.view(p.E, p.max_tokens_per_expert, p.I), x.w2, c.out, _counts(c), config=L.config.gemm2,
+                  quant_mode=L.quant_mode, a_scale=a_scale, w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
+                  block_shape=L.block_shape, fp32_ieee=L.ieee)
+
+
+@step
+def _gemm2(c, bx_act):
+    _gemm2_call(c, bx_act, None)
+
+
+@step
+def _gemm2_fp8(c, bx_a2q, bx_a2_scale=None):
+    _gemm2_call(c, bx_a2q, c.x.a2_scale if c.launch.static_scale else bx_a2_scale)
 
 
 class BatchedTritonExperts(Experts):
     """Batched-layout Triton GEMMs (bf16/fp16/fp32, fp8 w8a8 e4m3 in every mode).
 
     Args:
-        fp32_ieee: for float32 inputs on the GPU, use IEEE fp32 dots instead of TF32.
+        fp32_ieee: as for :class:`~fusedmoe.experts.triton_experts.TritonExperts` (None follows torch's
+            float32 matmul precision).
     """
 
     name = "triton"
     layout = Layout.BATCHED
 
-    def __init__(self, fp32_ieee: bool = False):
-        self.fp32_ieee = fp32_ieee
-        self._configs: dict[tuple, MoEConfig] = {}
+    def __init__(self, fp32_ieee: bool | None = None):
+        self._standard = TritonExperts(fp32_ieee)
+        self._launches: dict[tuple, BatchedLaunch] = {}
 
     def supports(self, p: MoEProblem) -> str | None:
         if p.has_bias:
             return "the batched Triton experts do not implement expert biases"
         if p.activation not in _ACTIVATIONS:
             return f"activation {p.activation!r} is not supported by the batched Triton experts"
-        return TritonExperts().supports(p)
+        return self._standard.supports(p)
 
-    def config(self, p: MoEProblem) -> MoEConfig:
-        from ..ops import configs as _cfg
-
-        key = (p, _cfg._PINNED.get() or _cfg._PINNED_GLOBAL[0])
-        cfg = self._configs.get(key)
-        if cfg is None:
+    def launch(self, p: MoEProblem) -> BatchedLaunch:
+        """The launch of ``p`` under the configuration in effect now (cached under a key holding all of it)."""
+        ieee = self._standard._ieee(p)
+        key = (p, configs.source_key(), ieee)
+        hit = self._launches.get(key)
+        if hit is None:
             q = p.quant
             mode = q.mode if q is not None else None
             shape = q.block_shape if (q is not None and mode == "fp8_block") else None
             # A batched problem of T rows per expert behaves like a standard one of E*T/top_k tokens.
             m_lookup = max(1, p.E * p.max_tokens_per_expert // max(p.top_k, 1))
+            on_gpu = torch.cuda.is_available()
             cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
-                             device=device_name() if torch.cuda.is_available() else "cpu")
-            if len(self._configs) > 4096:
-                self._configs.clear()
-            self._configs[key] = cfg
-        return cfg
+                             device=device_name() if on_gpu else "cpu")
+            limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
+            hit = BatchedLaunch(fit_smem(cfg, operand_bytes(p), limit), mode,
+                                bool(q is not None and q.static_activation_scale),
+                                tuple(q.block_shape) if q is not None else (128, 128), ieee)
+            if len(self._launches) > 4096:
+                self._launches.clear()
+            self._launches[key] = hit
+        return hit
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
-        """``act`` [E*T, I] (+ fp8: quantized copies, scales, per-program partial maxima). No zero region."""
+    def buffers(self, p: MoEProblem, launch: BatchedLaunch) -> list[BufferSpec]:
+        """``bx_act`` [E*T, I] (+ fp8: quantized copies, scales, per-program partial maxima). No zero region."""
         R, H, I = p.E * p.max_tokens_per_expert, p.H, p.I
-        f32, P, G1, A, G2 = torch.float32, Phase.PREPARE, Phase.GEMM1, Phase.ACTIVATION, Phase.GEMM2
+        if R == 0:
+            return []
+        f32 = torch.float32
         q = p.quant
         if q is None:
-            return [BufferSpec("bx_act", (R, I), p.dtype, G1, G2, region="2")]
+            return [BufferSpec("bx_act", (R, I), p.dtype, region="2")]
         mode, gk = q.mode, q.block_shape[1]
         specs = [
-            BufferSpec("bx_a1q", (R, H), FP8_DTYPE, P, G1),
-            BufferSpec("bx_act", (R, I), p.dtype, G1, A, region="2"),
-            BufferSpec("bx_a2q", (R, I), FP8_DTYPE, A, G2, region="2"),
+            BufferSpec("bx_a1q", (R, H), FP8_DTYPE),
+            BufferSpec("bx_act", (R, I), p.dtype, region="2"),
+            BufferSpec("bx_a2q", (R, I), FP8_DTYPE, region="2"),
         ]
         if not q.static_activation_scale:
-            specs.append(BufferSpec("bx_a1_scale", scale_shape(mode, R, H, gk), f32, P, G1))
-            specs.append(BufferSpec("bx_a2_scale", scale_shape(mode, R, I, gk), f32, A, G2, region="2"))
-        if mode == "fp8_tensor" and not q.static_activation_scale:
-            n = batched_num_partials(p.E, p.max_tokens_per_expert)
-            specs.append(BufferSpec("bx_a1_partial", (n,), f32, P, P))
-            specs.append(BufferSpec("bx_a2_partial", (n,), f32, A, A, region="2"))
+            specs.append(BufferSpec("bx_a1_scale", scale_shape(mode, R, H, gk), f32))
+            specs.append(BufferSpec("bx_a2_scale", scale_shape(mode, R, I, gk), f32, region="2"))
+            if mode == "fp8_tensor":
+                n = batched_num_partials(p.E, p.max_tokens_per_expert)
+                specs.append(BufferSpec("bx_a1_partial", (n,), f32))
+                specs.append(BufferSpec("bx_a2_partial", (n,), f32, region="2"))
         return specs
 
-    def apply(self, output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
-        if x.w1_bias is not None or x.w2_bias is not None:
-            raise NotImplementedError("the Triton experts do not implement expert biases")
-        E, T, H, I = p.E, p.max_tokens_per_expert, p.H, p.I
-        if E == 0 or T == 0:
-            return
-        cfg = self.config(p)
-        counts = x.expert_num_tokens
-        if counts is None or counts.dtype != torch.int32:
-            raise TypeError("the batched experts need expert_num_tokens (int32 [E])")
-        q = p.quant
-        mode = q.mode if q is not None else None
-        bs = q.block_shape if q is not None else (128, 128)
-        static = q is not None and q.static_activation_scale
-        if static and (x.a1_scale is None or x.a2_scale is None):
-            raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
-        w1s = TritonExperts._w_scale(x.w1_scale, mode, E)
-        w2s = TritonExperts._w_scale(x.w2_scale, mode, E)
-
-        a, a_scale = x.hidden_states, None
-        if mode is not None:
-            if a.dtype == FP8_DTYPE:  # quantized by prepare
-                if x.a1_scale is None:
-                    raise ValueError("fp8 hidden_states need a1_scale")
-                a_scale = x.a1_scale
-            else:
-                aq, a_scale = batched_quantize(
-                    a.reshape(E * T, H), counts, T, mode, out=ws["bx_a1q"],
-                    scale_out=None if static else ws["bx_a1_scale"], static_scale=x.a1_scale if static else None,
-                    partial=ws["bx_a1_partial"] if "bx_a1_partial" in ws else None, group_k=bs[1])
-                a = aq.view(E, T, H)
-        act = ws["bx_act"].view(E, T, I)
-        batched_gemm1(a, x.w1, act, counts, config=cfg.gemm1, activation=p.activation, quant_mode=mode,
-                      a_scale=a_scale, w_scale=w1s, block_shape=bs, fp32_ieee=self.fp32_ieee)
-        a2, a2_scale = act, None
-        if mode is not None:
-            a2q, a2_scale = batched_quantize(
-                ws["bx_act"], counts, T, mode, out=ws["bx_a2q"],
-                scale_out=None if static else ws["bx_a2_scale"], static_scale=x.a2_scale if static else None,
-                partial=ws["bx_a2_partial"] if "bx_a2_partial" in ws else None, group_k=bs[1])
-            a2 = a2q.view(E, T, I)
-        batched_gemm2(a2, x.w2, output, counts, config=cfg.gemm2, quant_mode=mode, a_scale=a2_scale,
-                      w_scale=w2s, block_shape=bs, fp32_ieee=self.fp32_ieee)
+    def steps(self, p: MoEProblem, launch: BatchedLaunch):
+        if p.E * p.max_tokens_per_expert == 0:
+            return []
+        if launch.quant_mode is None:
+            return [_gemm1, _gemm2]
+        return [_quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8]
 
 
-__all__ = ["BatchedTritonExperts"]
+__all__ = ["BatchedLaunch", "BatchedTritonExperts"]

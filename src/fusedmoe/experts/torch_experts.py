@@ -1,14 +1,20 @@
 """Experts in plain torch index ops: runs on any device, the default backend on machines without a GPU.
 
-Algorithm (standard layout), every buffer from the plan:
-  1. key each (token, slot) pair with its local expert (non-local or out-of-range ids -> key E, sorted last),
-     stable-sort the keys, find each expert's segment with ``searchsorted``;
-  2. gather the token rows in sorted order (scaled by the routing weight if it applies on the input);
-  3. per expert with tokens: GEMM1 (+ bias) into ``gate_up``, activation into ``act``, GEMM2 (+ bias) into
-     ``y_sorted``; rows of non-local slots are written as zeros;
-  4. weight, un-permute into slot order, sum over top-k into the output.
-One host sync per call reads the segment offsets (so this backend is not CUDA-graph capturable; the Triton
-backend is).
+Algorithm (standard layout), every buffer from the plan, one step each:
+  1. ``sort``: key each (token, slot) pair with its local expert (non-local or out-of-range ids -> key E, sorted
+     last), stable-sort the keys, find each expert's segment with ``searchsorted`` (the one host sync);
+  2. ``gather``: the token rows in sorted order, in float32 (scaled by the routing weight if it applies on the
+     input);
+  3. ``gemm1``/``activate``/``gemm2``: per expert with tokens, GEMM1 (+ bias) into ``gate_up``, the activation
+     into ``act``, GEMM2 (+ bias) into ``y_sorted``; rows of non-local slots are written as zeros;
+  4. ``reduce``: weight, un-permute into slot order, sum over top-k into the output.
+
+Precision: the rounding points of the Triton kernels (and of vLLM's reference): GEMMs accumulate in float32,
+the activation is computed in float32 and rounded once to the input dtype (GEMM2's operand), the expert outputs,
+their weights and the top-k sum stay float32, and the output is rounded once. 16-bit weights are converted to
+float32 in row chunks of ``W_CHUNK`` rows through one planned staging buffer, so no float32 copy of a whole
+expert ever exists. This backend is not CUDA-graph capturable (step 1
+reads the segment offsets on the host); the Triton backend is.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from __future__ import annotations
 import torch
 
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Layout, MoEProblem
-from ..workspace.manager import Workspace
-from ..workspace.plan import BufferSpec, Phase
-from .base import Experts, ExpertsInputs
+from ..steps import step
+from ..workspace.plan import BufferSpec
+from .base import Experts
+
+#: Rows of a 16-bit weight matrix converted to float32 at a time (bounds the staging buffer).
+W_CHUNK = 256
 
 _BOUNDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -53,8 +62,111 @@ def local_expert_keys(
     return out.masked_fill_(~valid, E)
 
 
+def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.Tensor) -> torch.Tensor:
+    """``out = act(gate) * up`` for the gated activations; ``gate`` and ``up`` may be modified in place."""
+    if activation == "silu":
+        torch.ops.aten.silu.out(gate, out=out)
+    elif activation == "gelu":
+        torch.ops.aten.gelu.out(gate, approximate="tanh", out=out)
+    else:  # swigluoai: g * sigmoid(alpha g) * (u + 1), g = min(gate, L), u = clamp(up, -L, L)
+        gate.clamp_(max=SWIGLUOAI_LIMIT)
+        up.clamp_(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT).add_(1.0)
+        torch.mul(gate, SWIGLUOAI_ALPHA, out=out)
+        out.sigmoid_().mul_(gate)
+    return out.mul_(up)
+
+
+def _linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            stage: torch.Tensor | None) -> None:
+    """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype).
+
+    A float32 ``w`` is used as it is; otherwise its rows are converted ``W_CHUNK`` at a time into ``stage``.
+    """
+    if w.dtype == torch.float32:
+        if bias is None:
+            torch.mm(a, w.t(), out=out)
+        else:
+            torch.addmm(bias.float(), a, w.t(), out=out)
+        return
+    N, K = w.shape
+    for n0 in range(0, N, W_CHUNK):
+        n1 = min(n0 + W_CHUNK, N)
+        wf = stage[: (n1 - n0) * K].view(n1 - n0, K)
+        wf.copy_(w[n0:n1])
+        if bias is None:
+            torch.mm(a, wf.t(), out=out[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1].float(), a, wf.t(), out=out[:, n0:n1])
+
+
+@step
+def _sort(c, keys, sorted_keys, order, offsets):
+    p = c.p
+    local_expert_keys(c.x.topk_ids, c.x.expert_map, p.E, p.global_E, out=keys, scratch=sorted_keys)
+    torch.sort(keys, stable=True, out=(sorted_keys, order))
+    torch.searchsorted(sorted_keys, _expert_bounds(p.E, keys.device), out=offsets)
+    c.state["offsets"] = offsets.tolist()  # the one host sync of this backend
+
+
+@step
+def _gather(c, order, token_of, w_sorted, a_sorted, a_rows=None):
+    x = c.x
+    torch.div(order, c.p.top_k, rounding_mode="floor", out=token_of)
+    torch.index_select(x.topk_weights.reshape(-1).to(torch.float32), 0, order, out=w_sorted)
+    if a_rows is None:  # float32 inputs: gather straight into the float32 buffer
+        torch.index_select(x.hidden_states, 0, token_of, out=a_sorted)
+    else:
+        torch.index_select(x.hidden_states, 0, token_of, out=a_rows)
+        a_sorted.copy_(a_rows)
+    if c.p.apply_router_weight_on_input:
+        a_sorted.mul_(w_sorted[:, None])
+
+
+@step
+def _gemm1(c, a_sorted, gate_up, w_stage=None):
+    offsets, x = c.state["offsets"], c.x
+    for e in range(c.p.E):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            b1 = x.w1_bias[e] if x.w1_bias is not None else None
+            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage)
+
+
+@step
+def _activate(c, gate_up, act, act_rounded=None):
+    n, I = c.state["offsets"][c.p.E], c.p.I
+    activate(gate_up[:n, :I], gate_up[:n, I:], c.p.activation, act[:n])
+    if act_rounded is not None:  # GEMM2 reads the activation in the input dtype, as the Triton kernels do
+        act_rounded[:n].copy_(act[:n])
+        act[:n].copy_(act_rounded[:n])
+
+
+@step
+def _gemm2(c, act, y_sorted, w_sorted, w_stage=None):
+    offsets, x, p = c.state["offsets"], c.x, c.p
+    for e in range(p.E):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi > lo:
+            b2 = x.w2_bias[e] if x.w2_bias is not None else None
+            _linear(act[lo:hi], x.w2[e], b2, y_sorted[lo:hi], w_stage)
+    n = offsets[p.E]
+    if not p.apply_router_weight_on_input:
+        y_sorted[:n].mul_(w_sorted[:n, None])
+    y_sorted[n:].zero_()  # non-local slots contribute nothing: these rows are results, not a fill
+
+
+@step
+def _reduce(c, order, y_sorted, y_slot, y_sum=None):
+    y_slot.index_copy_(0, order, y_sorted)
+    # sum in float32, then the one rounding to the output dtype (torch.sum with a 16-bit out= tensor rounds the
+    # float32 rows to 16 bits before adding them)
+    torch.sum(y_slot.view(c.p.M, c.p.top_k, -1), dim=1, out=c.out if y_sum is None else y_sum)
+    if y_sum is not None:
+        c.out.copy_(y_sum)
+
+
 class TorchExperts(Experts):
-    """Reference-grade experts in torch (bf16/fp16/fp32, no fp8)."""
+    """Reference-grade experts in torch (bf16/fp16/fp32 activations, float32 math, no fp8)."""
 
     name = "torch"
     layout = Layout.STANDARD
@@ -64,72 +176,32 @@ class TorchExperts(Experts):
             return "the torch experts do not implement fp8 quantization; use backend='triton'"
         return None
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
+    def buffers(self, p: MoEProblem, launch=None) -> list[BufferSpec]:
+        if p.M == 0:
+            return []
         S, H, I, E = p.slots, p.H, p.I, p.E
-        i64, f32, dt = torch.int64, torch.float32, p.dtype
-        return [
-            BufferSpec("keys", (S,), i64, Phase.ALIGN, Phase.ALIGN),
-            BufferSpec("sorted_keys", (S,), i64, Phase.ALIGN, Phase.ALIGN),
-            BufferSpec("order", (S,), i64, Phase.ALIGN, Phase.REDUCE),
-            BufferSpec("offsets", (E + 1,), i64, Phase.ALIGN, Phase.ALIGN),
-            BufferSpec("token_of", (S,), i64, Phase.ALIGN, Phase.GATHER),
-            BufferSpec("w_sorted", (S,), f32, Phase.ALIGN, Phase.GEMM2),
-            BufferSpec("a_sorted", (S, H), dt, Phase.GATHER, Phase.GEMM1, region="13"),
-            BufferSpec("gate_up", (S, 2 * I), dt, Phase.GEMM1, Phase.ACTIVATION, region="2"),
-            BufferSpec("act", (S, I), dt, Phase.ACTIVATION, Phase.GEMM2, region="13"),
-            BufferSpec("y_sorted", (S, H), dt, Phase.GEMM2, Phase.REDUCE, region="2"),
-            BufferSpec("y_slot", (S, H), dt, Phase.REDUCE, Phase.REDUCE, region="13"),
+        i64, f32 = torch.int64, torch.float32
+        specs = [
+            BufferSpec("keys", (S,), i64),
+            BufferSpec("sorted_keys", (S,), i64),
+            BufferSpec("order", (S,), i64),
+            BufferSpec("offsets", (E + 1,), i64),
+            BufferSpec("token_of", (S,), i64),
+            BufferSpec("w_sorted", (S,), f32),
+            BufferSpec("a_sorted", (S, H), f32, region="13"),
+            BufferSpec("gate_up", (S, 2 * I), f32, region="2"),
+            BufferSpec("act", (S, I), f32, region="13"),
+            BufferSpec("y_sorted", (S, H), f32, region="2"),
+            BufferSpec("y_slot", (S, H), f32, region="13"),
         ]
+        if p.dtype != f32:
+            specs.append(BufferSpec("a_rows", (S, H), p.dtype, region="2"))
+            specs.append(BufferSpec("y_sum", (p.M, H), f32, region="2"))
+            specs.append(BufferSpec("act_rounded", (S, I), p.dtype, region="2"))
+        if p.weight_dtype != f32:
+            stage = max(min(W_CHUNK, 2 * I) * H, min(W_CHUNK, H) * I)  # the larger of GEMM1's and GEMM2's chunk
+            specs.append(BufferSpec("w_stage", (stage,), f32, region="2"))
+        return specs
 
-    def apply(self, output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
-        M, k, E, I = p.M, p.top_k, p.E, p.I
-        S = p.slots
-        keys, order, sorted_keys = ws["keys"], ws["order"], ws["sorted_keys"]
-        local_expert_keys(x.topk_ids, x.expert_map, E, p.global_E, out=keys, scratch=sorted_keys)
-        torch.sort(keys, stable=True, out=(sorted_keys, order))
-        torch.searchsorted(sorted_keys, _expert_bounds(E, keys.device), out=ws["offsets"])
-        offsets = ws["offsets"].tolist()  # the one host sync of this backend
-        n_local = offsets[E]
-
-        token_of, w_sorted = ws["token_of"], ws["w_sorted"]
-        torch.div(order, k, rounding_mode="floor", out=token_of)
-        torch.index_select(x.topk_weights.reshape(-1).to(torch.float32), 0, order, out=w_sorted)
-        a = ws["a_sorted"]
-        torch.index_select(x.hidden_states, 0, token_of, out=a)
-        if p.apply_router_weight_on_input:
-            a.mul_(w_sorted[:, None])
-
-        gate_up, act, y = ws["gate_up"], ws["act"], ws["y_sorted"]
-        b1, b2 = x.w1_bias, x.w2_bias
-        for e in range(E):
-            lo, hi = offsets[e], offsets[e + 1]
-            if hi > lo:
-                if b1 is None:
-                    torch.mm(a[lo:hi], x.w1[e].t(), out=gate_up[lo:hi])
-                else:
-                    torch.addmm(b1[e], a[lo:hi], x.w1[e].t(), out=gate_up[lo:hi])
-        act_n, gate, up = act[:n_local], gate_up[:n_local, :I], gate_up[:n_local, I:]
-        if p.activation == "silu":
-            torch.ops.aten.silu.out(gate, out=act_n)
-        elif p.activation == "gelu":
-            torch.ops.aten.gelu.out(gate, approximate="tanh", out=act_n)
-        else:  # swigluoai: g * sigmoid(alpha g) * (u + 1), g = min(gate, L), u = clamp(up, -L, L)
-            gate.clamp_(max=SWIGLUOAI_LIMIT)
-            up.clamp_(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT).add_(1.0)
-            torch.mul(gate, SWIGLUOAI_ALPHA, out=act_n)
-            act_n.sigmoid_().mul_(gate)
-        act_n.mul_(up)
-        for e in range(E):
-            lo, hi = offsets[e], offsets[e + 1]
-            if hi > lo:
-                if b2 is None:
-                    torch.mm(act[lo:hi], x.w2[e].t(), out=y[lo:hi])
-                else:
-                    torch.addmm(b2[e], act[lo:hi], x.w2[e].t(), out=y[lo:hi])
-        if not p.apply_router_weight_on_input:
-            y[:n_local].mul_(w_sorted[:n_local, None])
-        y[n_local:S].zero_()  # non-local slots contribute nothing: these rows are results, not a fill
-
-        y_slot = ws["y_slot"]
-        y_slot.index_copy_(0, order, y)
-        torch.sum(y_slot.view(M, k, -1), dim=1, out=output)
+    def steps(self, p: MoEProblem, launch=None):
+        return [] if p.M == 0 else [_sort, _gather, _gemm1, _activate, _gemm2, _reduce]

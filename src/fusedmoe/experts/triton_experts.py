@@ -2,30 +2,37 @@
 
 Every scratch byte comes from the plan and nothing is zero-filled: each kernel writes every element a later
 kernel reads (see ``fusedmoe.ops``). No host sync and no allocation on the hot path, so a call can be captured
-in a CUDA graph. Launch parameters are cached per (problem, config).
+in a CUDA graph.
+
+The launch (:class:`TritonLaunch`: tile configs fitted to the element size, alignment sizes, grid bound, code
+path) is a value derived from the problem and the configuration in effect (pinned config, config folder,
+decode switch, float32 matmul precision); plans are keyed by it, so a change of configuration can never
+reuse scratch sized for another one.
 
 Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; fp8 adds one quantization launch per GEMM
-input (two for a dynamic per-tensor scale: partial maxima, then quantize).
+input (two for a dynamic per-tensor scale: partial maxima, then quantize). GEMM2 writes its weighted rows in
+float32, so the top-k sum rounds once, to the output dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
-from ..ops import decode
+from ..ops import configs, decode
 from ..ops.align import AlignParams, align_params, moe_align
-from ..ops.configs import MoEConfig, device_name, get_config
+from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
 from ..problem import ACTIVATIONS, Layout, MoEProblem
 from ..quant import FP8_DTYPE
-from ..workspace.manager import Workspace
-from ..workspace.plan import BufferSpec, Phase
-from .base import Experts, ExpertsInputs
+from ..steps import step
+from ..workspace.plan import BufferSpec
+from .base import Experts
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -34,34 +41,179 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=16)
+def _smem_limit(device_index: int) -> int:
+    """Shared memory per program on a CUDA device (the H100/H200 figure elsewhere)."""
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
+        return int(props["max_shared_mem"])
+    except Exception:  # pragma: no cover - no driver (CPU interpreter)
+        return configs.DEFAULT_SMEM
+
+
+def operand_bytes(p: MoEProblem) -> int:
+    """Bytes per element of the GEMM operands (1 for fp8, else the activation dtype's size)."""
+    return 1 if p.quant is not None else p.dtype.itemsize
+
+
 @dataclass(frozen=True)
-class _Launch:
-    """Static launch parameters of one problem."""
+class TritonLaunch:
+    """Everything besides the problem that sizes the scratch of a call or picks its kernels."""
 
     config: MoEConfig
     align: AlignParams
     num_blocks: int
     quant_mode: str | None
     static_scale: bool
-    group_k: int
-    decode: bool = False  # the two-launch decode path (ops/decode.py) serves this problem
+    block_shape: tuple[int, int]
+    decode: bool
+    ieee: bool  # float32 operands: IEEE fp32 dots instead of TF32
+
+    @property
+    def group_k(self) -> int:
+        return self.block_shape[1]
+
+
+def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False, use_decode: bool = False,
+                smem_limit: int = configs.DEFAULT_SMEM) -> TritonLaunch:
+    """The launch of ``p`` with GEMM tiles from ``config`` (fitted to the element size and ``smem_limit``)."""
+    q = p.quant
+    mode = q.mode if q is not None else None
+    cfg = fit_smem(config, operand_bytes(p), smem_limit)
+    ap = align_params(p.slots, p.E, cfg.block_m)
+    return TritonLaunch(
+        config=cfg,
+        align=ap,
+        num_blocks=grid_blocks(p.slots, ap.max_blocks),
+        quant_mode=mode,
+        static_scale=bool(q is not None and q.static_activation_scale),
+        block_shape=tuple(q.block_shape) if q is not None else (128, 128),
+        decode=use_decode and decode.decode_supported(p.slots, mode, p.activation, p.has_bias),
+        ieee=ieee and p.dtype == torch.float32,
+    )
+
+
+def _w_scale(s: torch.Tensor | None, mode: str | None, E: int) -> torch.Tensor | None:
+    """Views of caller weight scales in the layout the kernels index ([E] / [E, N] / [E, nb, kb])."""
+    if mode is None:
+        return None
+    if s is None:
+        raise ValueError(f"{mode} needs w1_scale and w2_scale")
+    if mode == "fp8_tensor":
+        return s.reshape(E)
+    if mode == "fp8_token":
+        return s.reshape(E, -1)
+    return s
+
+
+def _ids(c) -> torch.Tensor:
+    ids = c.x.topk_ids
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
+# ---- steps (their parameters name the buffers they touch; see fusedmoe.steps) ---------------------------------
+@step
+def _decode(c, act):
+    x, p = c.x, c.p
+    decode.moe_decode(x.hidden_states, x.w1, x.w2, x.topk_weights.contiguous(), _ids(c), c.out, act,
+                      expert_map=x.expert_map, global_num_experts=p.global_E, activation=p.activation,
+                      apply_router_weight_on_input=p.apply_router_weight_on_input)
+
+
+@step
+def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
+    moe_align(_ids(c), c.p.E, c.launch.config.block_m, expert_map=c.x.expert_map, global_num_experts=c.p.global_E,
+              sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded, partial=align_partial)
+
+
+@step
+def _quantize_input(c, a1q, a1_scale=None, a1_partial=None):
+    x, L = c.x, c.launch
+    if L.static_scale and (x.a1_scale is None or x.a2_scale is None):
+        raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
+    if x.hidden_states.dtype == FP8_DTYPE:  # already quantized by prepare
+        return
+    quantize_activation(x.hidden_states, L.quant_mode, out=a1q, scale_out=a1_scale,
+                        static_scale=x.a1_scale if L.static_scale else None, partial=a1_partial,
+                        group_k=L.group_k)
+
+
+def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale) -> None:
+    x, p, L = c.x, c.p, c.launch
+    moe_gemm1(a, x.w1, act, sorted_ids, block_expert, top_k=p.top_k, num_blocks=L.num_blocks,
+              config=L.config.gemm1, activation=p.activation,
+              topk_weights=x.topk_weights if p.apply_router_weight_on_input else None,
+              quant_mode=L.quant_mode, a_scale=a_scale, w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E),
+              block_shape=L.block_shape, fp32_ieee=L.ieee, bias=x.w1_bias)
+
+
+@step
+def _gemm1(c, sorted_ids, block_expert, act):
+    _gemm1_call(c, sorted_ids, block_expert, act, c.x.hidden_states, None)
+
+
+@step
+def _gemm1_fp8(c, sorted_ids, block_expert, act, a1q, a1_scale=None):
+    x, L = c.x, c.launch
+    if x.hidden_states.dtype == FP8_DTYPE:  # quantized by prepare, with its scales
+        if x.a1_scale is None:
+            raise ValueError("fp8 hidden_states need a1_scale")
+        a, a_scale = x.hidden_states, x.a1_scale
+    else:
+        a, a_scale = a1q, (x.a1_scale if L.static_scale else a1_scale)
+    _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale)
+
+
+@step
+def _quantize_act(c, act, a2q, a2_scale=None, a2_partial=None):
+    x, p, L = c.x, c.p, c.launch
+    quantize_activation(act, L.quant_mode, out=a2q, scale_out=a2_scale,
+                        static_scale=x.a2_scale if L.static_scale else None, partial=a2_partial,
+                        topk_ids=_ids(c), expert_map=x.expert_map, num_experts=p.E, global_num_experts=p.global_E,
+                        group_k=L.group_k)
+
+
+def _gemm2_call(c, sorted_ids, block_expert, y, a, a_scale) -> None:
+    x, p, L = c.x, c.p, c.launch
+    moe_gemm2(a, x.w2, y, sorted_ids, block_expert, num_blocks=L.num_blocks, config=L.config.gemm2,
+              topk_weights=None if p.apply_router_weight_on_input else x.topk_weights,
+              quant_mode=L.quant_mode, a_scale=a_scale, w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
+              block_shape=L.block_shape, fp32_ieee=L.ieee, bias=x.w2_bias)
+
+
+@step
+def _gemm2(c, sorted_ids, block_expert, act, y):
+    _gemm2_call(c, sorted_ids, block_expert, y, act, None)
+
+
+@step
+def _gemm2_fp8(c, sorted_ids, block_expert, a2q, y, a2_scale=None):
+    _gemm2_call(c, sorted_ids, block_expert, y, a2q, c.x.a2_scale if c.launch.static_scale else a2_scale)
+
+
+@step
+def _reduce(c, y):
+    moe_reduce(y, _ids(c), c.out, c.p.E, expert_map=c.x.expert_map, global_num_experts=c.p.global_E)
 
 
 class TritonExperts(Experts):
     """Tiled Triton grouped GEMMs over expert-aligned blocks (bf16/fp16/fp32, fp8 w8a8 e4m3).
 
     Args:
-        fp32_ieee: for float32 inputs on the GPU, use IEEE fp32 dots instead of TF32.
+        fp32_ieee: float32 inputs on the GPU: True for IEEE fp32 dots, False for TF32; None (default) follows
+            ``torch.get_float32_matmul_precision()`` ("highest" means IEEE), as torch's own matmuls do.
     """
 
     name = "triton"
     layout = Layout.STANDARD
 
-    def __init__(self, fp32_ieee: bool = False):
+    def __init__(self, fp32_ieee: bool | None = None):
         self.fp32_ieee = fp32_ieee
-        self._launches: dict[tuple, _Launch] = {}
+        self._launches: dict[tuple, TritonLaunch] = {}
 
-    # ---- capability and plan ------------------------------------------------------------------------------
+    # ---- capability, launch and plan ----------------------------------------------------------------------
     def supports(self, p: MoEProblem) -> str | None:
         try:
             import triton  # noqa: F401
@@ -87,11 +239,17 @@ class TritonExperts(Experts):
                     return f"fp8_block needs power-of-two block_shape >= 16, got {p.quant.block_shape}"
         return None
 
-    def launch(self, p: MoEProblem) -> _Launch:
-        """The cached launch parameters of ``p`` (config for its M, alignment, grid bound)."""
-        from ..ops import configs as _cfg
+    def _ieee(self, p: MoEProblem) -> bool:
+        if p.dtype != torch.float32:
+            return False
+        if self.fp32_ieee is not None:
+            return self.fp32_ieee
+        return torch.get_float32_matmul_precision() == "highest"
 
-        key = (p, _cfg._PINNED.get() or _cfg._PINNED_GLOBAL[0])
+    def launch(self, p: MoEProblem) -> TritonLaunch:
+        """The launch of ``p`` under the configuration in effect now (cached under a key holding all of it)."""
+        ieee = self._ieee(p)
+        key = (p, configs.source_key(), decode.ENABLED, ieee)
         hit = self._launches.get(key)
         if hit is not None:
             return hit
@@ -101,126 +259,59 @@ class TritonExperts(Experts):
         # Configs are keyed by tokens for a layer holding all its experts. Under expert parallelism only
         # E/global_E of the slots land here, so look up the token count with the same rows per local expert.
         m_lookup = max(1, round(p.M * p.E / p.global_E)) if p.global_E > p.E else p.M
+        on_gpu = torch.cuda.is_available()
         cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
-                         device=device_name() if torch.cuda.is_available() else "cpu")
-        ap = align_params(p.slots, p.E, cfg.block_m)
-        launch = _Launch(cfg, ap, grid_blocks(p.slots, ap.max_blocks), mode,
-                         bool(q is not None and q.static_activation_scale),
-                         q.block_shape[1] if q is not None else 128,
-                         decode.ENABLED and decode.decode_supported(p.slots, mode, p.activation, p.has_bias))
+                         device=device_name() if on_gpu else "cpu")
+        limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
+        launch = make_launch(p, cfg, ieee=ieee, use_decode=decode.ENABLED, smem_limit=limit)
         if len(self._launches) > 4096:
             self._launches.clear()
         self._launches[key] = launch
         return launch
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
+    def buffers(self, p: MoEProblem, launch: TritonLaunch) -> list[BufferSpec]:
         """Scratch of one call (no zeroed region). ``act`` (GEMM1 side) is region "2"; ``y`` (GEMM2 side) "13".
 
-        ``y`` [M*k, H] is live GEMM2..REDUCE and so shares bytes with everything dead before GEMM2 (the fp8
+        ``y`` [M*k, H] float32 lives GEMM2..reduce and so shares bytes with whatever is dead by then (the fp8
         input copy, the unquantized ``act`` when fp8 re-quantizes it).
         """
-        L = self.launch(p)
+        if p.M == 0:
+            return []
+        L = launch
         S, M, H, I = p.slots, p.M, p.H, p.I
         i32, f32, dt = torch.int32, torch.float32, p.dtype
         if L.decode:  # no alignment, no [M*k, H] buffer: GEMM2 reduces over top-k in registers
-            return [BufferSpec("act", (S, I), dt, Phase.GEMM1, Phase.GEMM2, region="2")]
+            return [BufferSpec("act", (S, I), dt, region="2")]
         ap = L.align
         specs = [
-            BufferSpec("sorted_ids", (ap.max_padded,), i32, Phase.ALIGN, Phase.GEMM2),
-            BufferSpec("block_expert", (ap.max_blocks,), i32, Phase.ALIGN, Phase.GEMM2),
-            BufferSpec("num_padded", (1,), i32, Phase.ALIGN, Phase.GEMM2),
+            BufferSpec("sorted_ids", (ap.max_padded,), i32),
+            BufferSpec("block_expert", (ap.max_blocks,), i32),
+            BufferSpec("num_padded", (1,), i32),
+            BufferSpec("act", (S, I), dt, region="2"),
+            BufferSpec("y", (S, H), f32),
         ]
         if not ap.fused:
-            specs.append(BufferSpec("align_partial", ap.partial_shape, i32, Phase.ALIGN, Phase.ALIGN))
-        if L.quant_mode is None:
-            specs.append(BufferSpec("act", (S, I), dt, Phase.GEMM1, Phase.GEMM2, region="2"))
-        else:
+            specs.append(BufferSpec("align_partial", ap.partial_shape, i32))
+        if L.quant_mode is not None:
             mode, gk = L.quant_mode, L.group_k
-            specs.append(BufferSpec("a1q", (M, H), FP8_DTYPE, Phase.PREPARE, Phase.GEMM1))
-            specs.append(BufferSpec("act", (S, I), dt, Phase.GEMM1, Phase.ACTIVATION, region="2"))
-            specs.append(BufferSpec("a2q", (S, I), FP8_DTYPE, Phase.ACTIVATION, Phase.GEMM2, region="2"))
+            specs.append(BufferSpec("a1q", (M, H), FP8_DTYPE))
+            specs.append(BufferSpec("a2q", (S, I), FP8_DTYPE, region="2"))
             if not L.static_scale:
-                specs.append(BufferSpec("a1_scale", scale_shape(mode, M, H, gk), f32, Phase.PREPARE, Phase.GEMM1))
-                specs.append(BufferSpec("a2_scale", scale_shape(mode, S, I, gk), f32, Phase.ACTIVATION,
-                                        Phase.GEMM2, region="2"))
-            if mode == "fp8_tensor" and not L.static_scale:
-                specs.append(BufferSpec("a1_partial", (num_partials(M),), f32, Phase.PREPARE, Phase.PREPARE))
-                specs.append(BufferSpec("a2_partial", (num_partials(S),), f32, Phase.ACTIVATION,
-                                        Phase.ACTIVATION, region="2"))
-        specs.append(BufferSpec("y", (S, H), dt, Phase.GEMM2, Phase.REDUCE))
+                specs.append(BufferSpec("a1_scale", scale_shape(mode, M, H, gk), f32))
+                specs.append(BufferSpec("a2_scale", scale_shape(mode, S, I, gk), f32, region="2"))
+                if mode == "fp8_tensor":
+                    specs.append(BufferSpec("a1_partial", (num_partials(M),), f32))
+                    specs.append(BufferSpec("a2_partial", (num_partials(S),), f32, region="2"))
         return specs
 
-    # ---- compute ------------------------------------------------------------------------------------------
-    def apply(self, output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
+    def steps(self, p: MoEProblem, launch: TritonLaunch):
         if p.M == 0:
-            return
-        L = self.launch(p)
-        if L.static_scale and (x.a1_scale is None or x.a2_scale is None):
-            raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
-        cfg, E, gE, k = L.config, p.E, p.global_E, p.top_k
-        ids = x.topk_ids if x.topk_ids.is_contiguous() else x.topk_ids.contiguous()
-        emap = x.expert_map
-        weights = x.topk_weights
-        if L.decode:
-            decode.moe_decode(x.hidden_states, x.w1, x.w2, weights.contiguous(), ids, output, ws["act"],
-                              expert_map=emap, global_num_experts=gE, activation=p.activation,
-                              apply_router_weight_on_input=p.apply_router_weight_on_input)
-            return
-        sorted_ids, block_expert = ws["sorted_ids"], ws["block_expert"]
-        moe_align(ids, E, cfg.block_m, expert_map=emap, global_num_experts=gE, sorted_ids=sorted_ids,
-                  block_expert=block_expert, num_padded=ws["num_padded"],
-                  partial=ws["align_partial"] if "align_partial" in ws else None)
-
-        mode = L.quant_mode
-        a, a_scale = x.hidden_states, None
-        if mode is not None:
-            a, a_scale = self._quantize_input(x, p, L, ws)
-        act = ws["act"]
-        moe_gemm1(a, x.w1, act, sorted_ids, block_expert, top_k=k, num_blocks=L.num_blocks, config=cfg.gemm1,
-                  activation=p.activation, topk_weights=weights if p.apply_router_weight_on_input else None,
-                  quant_mode=mode, a_scale=a_scale, w_scale=self._w_scale(x.w1_scale, mode, E),
-                  block_shape=p.quant.block_shape if p.quant else (128, 128), fp32_ieee=self.fp32_ieee,
-                  bias=x.w1_bias)
-
-        a2, a2_scale = act, None
-        if mode is not None:
-            a2, a2_scale = quantize_activation(
-                act, mode, out=ws["a2q"], scale_out=ws["a2_scale"] if "a2_scale" in ws else None,
-                static_scale=x.a2_scale if L.static_scale else None,
-                partial=ws["a2_partial"] if "a2_partial" in ws else None,
-                topk_ids=ids, expert_map=emap, num_experts=E, global_num_experts=gE, group_k=L.group_k)
-        y = ws["y"]
-        moe_gemm2(a2, x.w2, y, sorted_ids, block_expert, num_blocks=L.num_blocks, config=cfg.gemm2,
-                  topk_weights=None if p.apply_router_weight_on_input else weights,
-                  quant_mode=mode, a_scale=a2_scale, w_scale=self._w_scale(x.w2_scale, mode, E),
-                  block_shape=p.quant.block_shape if p.quant else (128, 128), fp32_ieee=self.fp32_ieee,
-                  bias=x.w2_bias)
-        moe_reduce(y, ids, output, E, expert_map=emap, global_num_experts=gE)
-
-    @staticmethod
-    def _w_scale(s: torch.Tensor | None, mode: str | None, E: int) -> torch.Tensor | None:
-        """Views of caller weight scales in the layout the kernels index ([E] / [E, N] / [E, nb, kb])."""
-        if mode is None:
-            return None
-        if s is None:
-            raise ValueError(f"{mode} needs w1_scale and w2_scale")
-        if mode == "fp8_tensor":
-            return s.reshape(E)
-        if mode == "fp8_token":
-            return s.reshape(E, -1)
-        return s
-
-    @staticmethod
-    def _quantize_input(x: ExpertsInputs, p: MoEProblem, L: _Launch, ws: Workspace):
-        hs = x.hidden_states
-        if hs.dtype == FP8_DTYPE:  # already quantized by prepare
-            if x.a1_scale is None:
-                raise ValueError("fp8 hidden_states need a1_scale")
-            return hs, x.a1_scale
-        return quantize_activation(
-            hs, L.quant_mode, out=ws["a1q"], scale_out=ws["a1_scale"] if "a1_scale" in ws else None,
-            static_scale=x.a1_scale if L.static_scale else None,
-            partial=ws["a1_partial"] if "a1_partial" in ws else None, group_k=L.group_k)
+            return []
+        if launch.decode:
+            return [_decode]
+        if launch.quant_mode is None:
+            return [_align, _gemm1, _gemm2, _reduce]
+        return [_align, _quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8, _reduce]
 
 
-__all__ = ["TritonExperts"]
+__all__ = ["TritonExperts", "TritonLaunch", "make_launch"]

@@ -12,6 +12,11 @@ shared (both GEMMs read the same aligned blocks): GEMM2 always takes GEMM1's.
 
 Search order: ``$FUSEDMOE_CONFIG_DIR`` (can point at vLLM's tuned files), the packaged ``fusedmoe/configs``,
 then :func:`heuristic_config`. :func:`pinned_config` overrides everything (tests pin one small config).
+:func:`source_key` names what the search depends on besides the problem (the pin, the config folder), so that
+callers caching anything derived from a config can key it completely.
+
+Tiles are fitted to the element size before use (:func:`fit_smem`): a table tuned for 2-byte elements would
+ask a float32 problem for twice the shared memory the GPU has.
 """
 
 from __future__ import annotations
@@ -102,18 +107,28 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def quant_suffix(quant_mode: str | None, block_shape: tuple[int, int] | None = None) -> str:
+    """vLLM's suffixes (``dtype=fp8_w8a8`` is per-tensor, as vLLM tunes it) plus ``,per_token`` for per-token
+    activation x per-channel weight scales, which vLLM's file names do not tell apart."""
     if quant_mode is None:
         return ""
     s = ",dtype=fp8_w8a8"
     if quant_mode == "fp8_block":
         bn, bk = block_shape or (128, 128)
         s += f",block_shape=[{bn},{bk}]"
+    elif quant_mode == "fp8_token":
+        s += ",per_token"
     return s
 
 
 def config_file_name(E: int, I: int, device: str, quant_mode: str | None = None,
                      block_shape: tuple[int, int] | None = None) -> str:
     return f"E={E},N={I},device_name={device}{quant_suffix(quant_mode, block_shape)}.json"
+
+
+def source_key() -> tuple:
+    """Everything besides the problem that :func:`get_config` depends on: the pinned config (context, then
+    process-wide) and ``$FUSEDMOE_CONFIG_DIR``. Caches of values derived from configs key on it."""
+    return (_PINNED.get() or _PINNED_GLOBAL[0], os.environ.get(ENV_DIR))
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,16 +149,21 @@ def _load_file(path: str) -> dict[int, MoEConfig] | None:
     return table or None
 
 
-def load_table(E: int, I: int, device: str, quant_mode: str | None = None,
-               block_shape: tuple[int, int] | None = None) -> dict[int, MoEConfig] | None:
-    """The tuned table for this shape: first match in $FUSEDMOE_CONFIG_DIR, then the packaged dir."""
-    name = config_file_name(E, I, device, quant_mode, block_shape)
-    dirs = [os.environ.get(ENV_DIR)] if os.environ.get(ENV_DIR) else []
+def load_table(E: int, I: int, device: str, quant_mode: str | None = None, block_shape: tuple[int, int] | None = None,
+               config_dir: str | None = None) -> dict[int, MoEConfig] | None:
+    """The tuned table for this shape: first match in ``config_dir`` (default $FUSEDMOE_CONFIG_DIR), then the
+    packaged dir. Per-token fp8 falls back to the per-tensor (vLLM ``dtype=fp8_w8a8``) file of the folder."""
+    names = [config_file_name(E, I, device, quant_mode, block_shape)]
+    if quant_mode == "fp8_token":
+        names.append(config_file_name(E, I, device, "fp8_tensor"))
+    config_dir = os.environ.get(ENV_DIR) if config_dir is None else config_dir
+    dirs = [config_dir] if config_dir else []
     dirs.append(str(PACKAGED_DIR))
     for d in dirs:
-        table = _load_file(os.path.join(d, name))
-        if table:
-            return table
+        for name in names:
+            table = _load_file(os.path.join(d, name))
+            if table:
+                return table
     return None
 
 
@@ -197,6 +217,41 @@ def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: tuple[int, i
     return MoEConfig(fix(cfg.gemm1), fix(cfg.gemm2))
 
 
+#: Shared memory one program may use, when the device does not say (H100/H200: 227 KiB).
+DEFAULT_SMEM = 232448
+
+
+def smem_bytes(g: GemmConfig, elem_bytes: int, gated: bool) -> int:
+    """Estimated shared memory of one program of a grouped GEMM: ``num_stages`` copies of the A tile and the
+    weight tile(s) (two for GEMM1's gate and up); the epilogue reuses that space for its fp32 tile."""
+    per_stage = (g.block_m * g.block_k + (2 if gated else 1) * g.block_k * g.block_n) * elem_bytes
+    return max(g.num_stages * per_stage, g.block_m * g.block_n * 4)
+
+
+def fit_smem(cfg: MoEConfig, elem_bytes: int, limit: int = DEFAULT_SMEM) -> MoEConfig:
+    """Shrink tiles until both GEMMs fit in ``limit`` bytes of shared memory for ``elem_bytes``-byte operands.
+
+    BLOCK_M never changes (it sizes the alignment and the plan); BLOCK_K halves first (down to 32), then stages
+    drop (down to 2), then BLOCK_N and BLOCK_K halve (down to 16). A config that fits is returned unchanged.
+    """
+
+    def fit(g: GemmConfig, gated: bool) -> GemmConfig:
+        while smem_bytes(g, elem_bytes, gated) > limit:
+            if g.block_k > 32:
+                g = replace(g, block_k=g.block_k // 2)
+            elif g.num_stages > 2:
+                g = replace(g, num_stages=g.num_stages - 1)
+            elif g.block_n > 16:
+                g = replace(g, block_n=g.block_n // 2)
+            elif g.block_k > 16:
+                g = replace(g, block_k=g.block_k // 2)
+            else:
+                break
+        return g
+
+    return MoEConfig(fit(cfg.gemm1, True), fit(cfg.gemm2, False))
+
+
 _PINNED: contextvars.ContextVar[MoEConfig | None] = contextvars.ContextVar("fusedmoe_pinned_config", default=None)
 _PINNED_GLOBAL: list[MoEConfig | None] = [None]
 
@@ -221,15 +276,16 @@ def pin_config(cfg: MoEConfig | dict | None) -> None:
 def get_config(M: int, E: int, H: int, I: int, top_k: int, *, quant_mode: str | None = None,
                block_shape: tuple[int, int] | None = None, device: str | None = None) -> MoEConfig:
     """The config for a problem: pinned, else the nearest-M entry of a tuned file, else the heuristic."""
-    cfg = _PINNED.get() or _PINNED_GLOBAL[0]
+    pinned, config_dir = source_key()
+    cfg = pinned
     if cfg is None:
-        cfg = _lookup(M, E, H, I, top_k, quant_mode, block_shape, device or device_name())
+        cfg = _lookup(M, E, H, I, top_k, quant_mode, block_shape, device or device_name(), config_dir)
     return fit_config(cfg, quant_mode, block_shape)
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(M, E, H, I, top_k, quant_mode, block_shape, device) -> MoEConfig:
-    table = load_table(E, I, device, quant_mode, block_shape)
+def _lookup(M, E, H, I, top_k, quant_mode, block_shape, device, config_dir) -> MoEConfig:
+    table = load_table(E, I, device, quant_mode, block_shape, config_dir or "")
     if table:
         return table[min(table, key=lambda k: (abs(k - M), k))]
     return heuristic_config(M, E, H, I, top_k, quant_mode, block_shape)
@@ -240,12 +296,16 @@ def clear_cache() -> None:
     _lookup.cache_clear()
 
 
-def table_to_json(table: dict[int, MoEConfig], source: str) -> str:
-    body = {"_source": source}
+def table_to_json(table: dict[int, MoEConfig], source: str, failures: list[dict] | None = None) -> str:
+    """A config file: ``_source`` (how it was made), ``_failures`` (candidates that did not run, if any), then
+    one entry per M."""
+    body: dict = {"_source": source}
+    if failures:
+        body["_failures"] = failures
     body.update({str(m): table[m].to_dict() for m in sorted(table)})
     return json.dumps(body, indent=2) + "\n"
 
 
 __all__ = ["ENV_DIR", "PACKAGED_DIR", "GemmConfig", "MoEConfig", "clear_cache", "config_file_name",
-           "device_name", "fit_config", "get_config", "heuristic_config", "load_table", "pin_config",
-           "pinned_config", "table_to_json"]
+           "device_name", "fit_config", "fit_smem", "get_config", "heuristic_config", "load_table", "pin_config",
+           "pinned_config", "smem_bytes", "source_key", "table_to_json"]

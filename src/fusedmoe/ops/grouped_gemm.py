@@ -66,7 +66,9 @@ def _activate(gate, up, ACTIVATION: tl.constexpr):
     return gate * tl.sigmoid(2.0 * z) * up
 
 
-@triton.jit
+# n_slots and num_pid_m change with every token count; specializing on them (== 1, % 16) would compile up to
+# nine variants of each config across M for no benefit (they only bound masks and the tile order).
+@triton.jit(do_not_specialize=["n_slots", "num_pid_m"])
 def _moe_gemm1(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
     a_scale_ptr, w_scale_ptr, bias_ptr,
@@ -154,7 +156,7 @@ def _moe_gemm1(
     tl.store(o_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_slots", "num_pid_m"])
 def _moe_gemm2(
     a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, topk_w_ptr,
     a_scale_ptr, w_scale_ptr, bias_ptr,

@@ -39,20 +39,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..experts.base import ExpertsInputs
-from ..ops.quantize import num_partials, scale_shape
+from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..problem import Layout, MoEProblem
 from ..quant import FP8_DTYPE
+from ..steps import step
 from ..workspace.manager import Workspace
-from ..workspace.plan import BufferSpec, Phase
+from ..workspace.plan import BufferSpec
 from .base import PrepareFinalize
 from .batched import (
     BatchedCapacityError,
+    GatherBuffers,
+    ScatterBuffers,
     _arange,
     _capturing,
     gather_batched,
     gather_plan,
     max_count_tensor,
-    reduce_plan,
     scatter_batched,
     scatter_plan,
 )
@@ -100,7 +102,6 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         self.max_tokens_per_expert = max_tokens_per_expert
         self._maps: dict[torch.device, torch.Tensor] = {}
         self._max_count: dict[torch.device, torch.Tensor] = {}
-        self._state: tuple | None = None
 
     def __repr__(self) -> str:
         return (f"AllToAllPrepareFinalize(rank={self.rank}, world={self.world}, layout={self.layout.value}, "
@@ -121,64 +122,77 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             inner = replace(inner, max_tokens_per_expert=self.tokens_per_expert())
         return inner
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
-        S, H, W, R = p.slots, p.H, self.world, self.recv_rows(p)
-        i64, i32, f32, dt = torch.int64, torch.int32, torch.float32, p.dtype
-        P, F = Phase.PREPARE, Phase.FINALIZE
-        specs = [
-            BufferSpec("ep_keys", (S,), i64, P, F),
-            BufferSpec("ep_sorted", (S,), i64, P, P),
-            BufferSpec("ep_bad", (S,), torch.bool, P, P),
-            BufferSpec("ep_order", (S,), i64, P, F),
-            BufferSpec("ep_offsets", (W + 1,), i64, P, P),
-            BufferSpec("ep_send_counts", (W,), i64, P, P),
-            BufferSpec("ep_send_rows", (S,), i64, P, P),
-            BufferSpec("ep_send_meta", (S, 2), i32, P, P),
-            BufferSpec("ep_recv_meta", (R, 2), i32, P, P),
-            BufferSpec("ep_recv_ids", (R, 1), i32, P, F),
-            BufferSpec("ep_recv_w", (R, 1), f32, P, F),
-            BufferSpec("ep_recv_out", (R, H), dt, Phase.GEMM2, F, region="2"),
-            BufferSpec("ep_back", (S, H), dt, F, F),
-            BufferSpec("ep_slot_pos", (S,), i64, F, F),
-            *reduce_plan("ep_", S, H, dt),
-        ]
-        if self.wire_fp8(p):
-            q, M = p.quant, p.M
-            specs += [
-                BufferSpec("ep_src_q", (M, H), FP8_DTYPE, P, P),
-                BufferSpec("ep_send_hidden", (S, H), FP8_DTYPE, P, P),
-                BufferSpec("ep_recv_hidden", (R, H), FP8_DTYPE, P, Phase.GEMM1),
-            ]
-            if not q.static_activation_scale:
-                G = scale_shape(q.mode, 1, H, q.block_shape[1])[1]
-                specs += [
-                    BufferSpec("ep_src_scale", (M, G), f32, P, P),
-                    BufferSpec("ep_send_scale", (S, G), f32, P, P),
-                    BufferSpec("ep_recv_scale", (R, G), f32, P, Phase.GEMM1),
-                ]
-            return specs
-        specs += [
-            BufferSpec("ep_send_hidden", (S, H), dt, P, P),
-            BufferSpec("ep_recv_hidden", (R, H), dt, P, Phase.GEMM1),
-        ]
-        if self.layout == Layout.BATCHED:
-            E, T = self.local_experts, self.tokens_per_expert()
-            specs += scatter_plan("epb_", R, H, E, T, dt) + gather_plan("epb_", R, H, E, T, dt)
-        elif p.quant is not None:
-            q = p.quant
-            specs.append(BufferSpec("ep_a1q", (R, H), FP8_DTYPE, P, Phase.GEMM1))
-            if not q.static_activation_scale:
-                specs.append(BufferSpec("ep_a1_scale", scale_shape(q.mode, R, H, q.block_shape[1]), f32, P,
-                                        Phase.GEMM1))
-            if q.mode == "fp8_tensor" and not q.static_activation_scale:
-                specs.append(BufferSpec("ep_a1_partial", (num_partials(R),), f32, P, P))
-        return specs
-
     def wire_fp8(self, p: MoEProblem) -> bool:
         """Do tokens travel as fp8 rows (+ scales)? Standard layout, with scales that are row-local or static."""
         q = p.quant
         return (self.layout == Layout.STANDARD and q is not None
                 and (q.mode != "fp8_tensor" or q.static_activation_scale))
+
+    def buffers(self, p: MoEProblem) -> list[BufferSpec]:
+        S, H, W, R = p.slots, p.H, self.world, self.recv_rows(p)
+        i64, i32, f32, dt = torch.int64, torch.int32, torch.float32, p.dtype
+        specs = [
+            BufferSpec("ep_keys", (S,), i64),
+            BufferSpec("ep_sorted", (S,), i64),
+            BufferSpec("ep_bad", (S,), torch.bool),
+            BufferSpec("ep_order", (S,), i64),
+            BufferSpec("ep_offsets", (W + 1,), i64),
+            BufferSpec("ep_send_counts", (W,), i64),
+            BufferSpec("ep_send_rows", (S,), i64),
+            BufferSpec("ep_send_meta", (S, 2), i32),
+            BufferSpec("ep_recv_meta", (R, 2), i32),
+            BufferSpec("ep_recv_ids", (R, 1), i32),
+            BufferSpec("ep_recv_w", (R, 1), f32),
+            BufferSpec("ep_recv_out", (R, H), dt, region="2"),
+            BufferSpec("ep_back", (S, H), dt),
+            BufferSpec("ep_slot_pos", (S,), i64),
+            *gather_plan("ep_", S, H, dt),
+        ]
+        if self.wire_fp8(p):
+            q, M = p.quant, p.M
+            specs += [
+                BufferSpec("ep_src_q", (M, H), FP8_DTYPE),
+                BufferSpec("ep_send_hidden", (S, H), FP8_DTYPE),
+                BufferSpec("ep_recv_hidden", (R, H), FP8_DTYPE),
+            ]
+            if not q.static_activation_scale:
+                G = scale_shape(q.mode, 1, H, q.block_shape[1])[1]
+                specs += [
+                    BufferSpec("ep_src_scale", (M, G), f32),
+                    BufferSpec("ep_send_scale", (S, G), f32),
+                    BufferSpec("ep_recv_scale", (R, G), f32),
+                ]
+            return specs
+        specs += [
+            BufferSpec("ep_send_hidden", (S, H), dt),
+            BufferSpec("ep_recv_hidden", (R, H), dt),
+        ]
+        if self.layout == Layout.BATCHED:
+            E, T = self.local_experts, self.tokens_per_expert()
+            specs += [*scatter_plan(R, H, E, T, dt), BufferSpec("b_y_batched", (E * T, H), dt, region="2"),
+                      *gather_plan("b_", R, H, dt)]
+        elif p.quant is not None:
+            q = p.quant
+            specs.append(BufferSpec("ep_a1q", (R, H), FP8_DTYPE))
+            if not q.static_activation_scale:
+                specs.append(BufferSpec("ep_a1_scale", scale_shape(q.mode, R, H, q.block_shape[1]), f32))
+                if q.mode == "fp8_tensor":
+                    specs.append(BufferSpec("ep_a1_partial", (num_partials(R),), f32))
+        return specs
+
+    def prepare_steps(self, p: MoEProblem):
+        last = _ep_scatter if self.layout == Layout.BATCHED else _ep_inputs
+        return [_ep_route, _ep_pack, _ep_dispatch, last]
+
+    def finalize_steps(self, p: MoEProblem):
+        return [_ep_gather_batched, _ep_combine] if self.layout == Layout.BATCHED else [_ep_combine]
+
+    def exports(self, p: MoEProblem) -> tuple[str, ...]:
+        if self.layout == Layout.BATCHED:
+            return ("b_a_batched", "b_num_tokens", "b_y_batched")
+        names = {b.name for b in self.buffers(p)}
+        return tuple(n for n in ("ep_recv_hidden", "ep_recv_ids", "ep_recv_w", "ep_recv_scale", "ep_a1q",
+                                 "ep_a1_scale", "ep_recv_out") if n in names)
 
     def expert_map(self, device: torch.device | str) -> torch.Tensor:
         """int32 [E]: global id -> local id on this rank, -1 elsewhere (cached per device)."""
@@ -192,132 +206,149 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         """Batched layout: int64 [1], the largest per-expert received count of the last call (see batched.py)."""
         return max_count_tensor(self._max_count, device)
 
-    # ---- dispatch -------------------------------------------------------------------------------------------
-    def prepare(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> ExpertsInputs:
-        if p.M > self.max_tokens_per_rank:
-            raise ValueError(f"rank {self.rank} has {p.M} tokens but max_tokens_per_rank is "
-                             f"{self.max_tokens_per_rank}")
-        if p.E != self.local_experts or p.global_E != self.num_experts:
-            raise ValueError(f"problem has {p.E} local / {p.global_E} global experts, expected "
-                             f"{self.local_experts} / {self.num_experts}")
-        dev = x.hidden_states.device
-        k, W, El = p.top_k, self.world, self.local_experts
-        ids = x.topk_ids.reshape(-1)
-        keys, sorted_keys, order = ws["ep_keys"], ws["ep_sorted"], ws["ep_order"]
-        keys.copy_(ids)
-        bad = ws["ep_bad"]
-        torch.lt(keys, 0, out=bad)
-        bad.logical_or_(keys >= self.num_experts)
-        keys.div_(El, rounding_mode="floor").masked_fill_(bad, W)  # destination rank, W = nowhere
-        torch.sort(keys, stable=True, out=(sorted_keys, order))
-        offsets, counts = ws["ep_offsets"], ws["ep_send_counts"]
-        torch.searchsorted(sorted_keys, _arange(W + 1, dev), out=offsets)
-        torch.sub(offsets[1:], offsets[:-1], out=counts)
-
-        send_rows, send_hidden, send_meta = ws["ep_send_rows"], ws["ep_send_hidden"], ws["ep_send_meta"]
-        torch.div(order, k, rounding_mode="floor", out=send_rows)
-        wire_fp8 = self.wire_fp8(p)
-        if wire_fp8:  # quantize the M token rows once, then gather fp8 rows (as bytes) and their scales
-            self._quantize_source(x, p, ws)
-            torch.index_select(ws["ep_src_q"].view(torch.uint8), 0, send_rows, out=send_hidden.view(torch.uint8))
-            if "ep_send_scale" in ws:
-                torch.index_select(ws["ep_src_scale"], 0, send_rows, out=ws["ep_send_scale"])
-        else:
-            torch.index_select(x.hidden_states, 0, send_rows, out=send_hidden)
-        torch.index_select(ids.to(torch.int32), 0, order, out=send_meta[:, 0])
-        w_bits = x.topk_weights.reshape(-1).to(torch.float32).view(torch.int32)
-        torch.index_select(w_bits, 0, order, out=send_meta[:, 1])
-
-        send_list, recv_list = self.transport.exchange_counts(counts)  # host sync
-        n_send, n_recv = sum(send_list), sum(recv_list)
-        R_max = self.recv_rows(p)
-        if n_recv > R_max:
-            raise ValueError(f"rank {self.rank} received {n_recv} rows, more than the static bound {R_max}: "
-                             f"some rank has more than max_tokens_per_rank={self.max_tokens_per_rank} tokens")
-        recv_hidden, recv_meta = ws["ep_recv_hidden"], ws["ep_recv_meta"]
-        self.transport.all_to_all(recv_hidden[:n_recv], send_hidden[:n_send], send_list, recv_list)
-        self.transport.all_to_all(recv_meta[:n_recv], send_meta[:n_send], send_list, recv_list)
-        if wire_fp8 and "ep_send_scale" in ws:
-            self.transport.all_to_all(ws["ep_recv_scale"][:n_recv], ws["ep_send_scale"][:n_send], send_list,
-                                      recv_list)
-        recv_ids, recv_w = ws["ep_recv_ids"], ws["ep_recv_w"]
-        recv_ids[:n_recv, 0].copy_(recv_meta[:n_recv, 0])
-        recv_ids[n_recv:].fill_(-1)  # sentinel ids: rows that were not received are not local anywhere
-        recv_w[:n_recv, 0].copy_(recv_meta[:n_recv, 1].view(torch.float32))
-        self._state = (send_list, recv_list, n_send, n_recv)
-
-        inner = self.problem(p)
-        emap = x.expert_map if x.expert_map is not None else self.expert_map(dev)
-        common = dict(w1=x.w1, w2=x.w2, w1_scale=x.w1_scale, w2_scale=x.w2_scale, a1_scale=x.a1_scale,
-                      a2_scale=x.a2_scale, w1_bias=x.w1_bias, w2_bias=x.w2_bias)
+    def expert_output(self, output: torch.Tensor, inner: MoEProblem, ws: Workspace) -> torch.Tensor:
         if self.layout == Layout.BATCHED:
-            T = self.tokens_per_expert()
-            mc = self.max_count(dev)
-            a, num_tokens = scatter_batched(
-                ws, "epb_", recv_hidden, recv_ids, recv_w, E=El, global_E=self.num_experts, T=T, top_k=1,
-                expert_map=emap, weight_on_input=p.apply_router_weight_on_input, max_count_out=mc)
-            if self.max_tokens_per_expert is not None and not _capturing(mc) and int(mc.item()) > T:
-                raise BatchedCapacityError(
-                    f"rank {self.rank}: an expert received {int(mc.item())} rows but max_tokens_per_expert is {T}")
-            return ExpertsInputs(hidden_states=a, topk_weights=None, topk_ids=None, expert_map=None,
-                                 expert_num_tokens=num_tokens, **common)
-        hidden, a1_scale = recv_hidden, x.a1_scale
-        q = inner.quant
-        if wire_fp8:  # already quantized at the source: fp8 rows and their scales arrived together
-            a1_scale = ws["ep_recv_scale"] if "ep_recv_scale" in ws else x.a1_scale
-        elif q is not None and n_recv:
-            from ..ops.quantize import quantize_activation
-
-            hidden = ws["ep_a1q"]
-            scale_out = None if q.static_activation_scale else ws["ep_a1_scale"]
-            if scale_out is not None and scale_out.dim() == 2:
-                scale_out = scale_out[:n_recv]
-            _, a1_scale = quantize_activation(
-                recv_hidden[:n_recv], q.mode, out=hidden[:n_recv], scale_out=scale_out,
-                static_scale=x.a1_scale if q.static_activation_scale else None,
-                partial=ws["ep_a1_partial"] if "ep_a1_partial" in ws else None, group_k=q.block_shape[1])
-            if a1_scale.dim() == 2:
-                a1_scale = ws["ep_a1_scale"]
-        elif q is not None:
-            hidden = ws["ep_a1q"]
-            a1_scale = x.a1_scale if q.static_activation_scale else ws["ep_a1_scale"]
-        return ExpertsInputs(hidden_states=hidden, topk_weights=recv_w, topk_ids=recv_ids, expert_map=emap,
-                             **{**common, "a1_scale": a1_scale})
-
-    @staticmethod
-    def _quantize_source(x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> None:
-        """fp8 rows of this rank's M tokens into ``ep_src_q`` (+ row scales into ``ep_src_scale``)."""
-        if p.M == 0:
-            return
-        from ..ops.quantize import quantize_activation
-
-        q = p.quant
-        quantize_activation(x.hidden_states, q.mode, out=ws["ep_src_q"],
-                            scale_out=None if q.static_activation_scale else ws["ep_src_scale"],
-                            static_scale=x.a1_scale if q.static_activation_scale else None,
-                            group_k=q.block_shape[1])
-
-    def expert_output(self, output: torch.Tensor, p: MoEProblem, ws: Workspace) -> torch.Tensor:
-        if self.layout == Layout.BATCHED:
-            return ws["epb_y_batched"].view(p.E, p.max_tokens_per_expert, p.H)
+            return ws["b_y_batched"].view(inner.E, inner.max_tokens_per_expert, inner.H)
         return ws["ep_recv_out"]
 
-    # ---- combine --------------------------------------------------------------------------------------------
-    def finalize(self, output, expert_output, x, p, ws) -> None:
-        send_list, recv_list, n_send, n_recv = self._state
-        self._state = None
-        rows = ws["ep_recv_out"]
-        if self.layout == Layout.BATCHED:
-            w = None if p.apply_router_weight_on_input else ws["ep_recv_w"][:n_recv]
-            gather_batched(ws, "epb_", expert_output.reshape(-1, p.H), ws["epb_slot_dest"][:n_recv], w,
-                           rows[:n_recv], 1)
-        back = ws["ep_back"]
-        self.transport.all_to_all(back[:n_send], rows[:n_recv], recv_list, send_list)
-        S = p.slots
-        pos = ws["ep_slot_pos"]
-        pos.index_copy_(0, ws["ep_order"], _arange(S, output.device))  # slot -> its row in the send order
-        pos.masked_fill_(ws["ep_keys"] >= self.world, -1)  # slots that went nowhere
-        gather_batched(ws, "ep_", back, pos, None, output, p.top_k)
+
+# ---- dispatch ---------------------------------------------------------------------------------------------------
+@step
+def _ep_route(c, ep_keys, ep_bad, ep_sorted, ep_order, ep_offsets, ep_send_counts):
+    """Destination rank of every slot (W = nowhere), slots sorted by it, and the rows sent to each rank."""
+    x, p, pf = c.x, c.p, c.component
+    if p.M > pf.max_tokens_per_rank:
+        raise ValueError(f"rank {pf.rank} has {p.M} tokens but max_tokens_per_rank is {pf.max_tokens_per_rank}")
+    if p.E != pf.local_experts or p.global_E != pf.num_experts:
+        raise ValueError(f"problem has {p.E} local / {p.global_E} global experts, expected "
+                         f"{pf.local_experts} / {pf.num_experts}")
+    W = pf.world
+    ep_keys.copy_(x.topk_ids.reshape(-1))
+    torch.lt(ep_keys, 0, out=ep_bad)
+    ep_bad.logical_or_(ep_keys >= pf.num_experts)
+    ep_keys.div_(pf.local_experts, rounding_mode="floor").masked_fill_(ep_bad, W)
+    torch.sort(ep_keys, stable=True, out=(ep_sorted, ep_order))
+    torch.searchsorted(ep_sorted, _arange(W + 1, ep_keys.device), out=ep_offsets)
+    torch.sub(ep_offsets[1:], ep_offsets[:-1], out=ep_send_counts)
+
+
+@step
+def _ep_pack(c, ep_order, ep_send_rows, ep_send_hidden, ep_send_meta, ep_src_q=None, ep_src_scale=None,
+             ep_send_scale=None):
+    """The send buffers in destination order: token rows (fp8 rows and their scales when they travel as fp8)
+    and per-slot metadata (global id, routing weight as int32 bits)."""
+    x, p = c.x, c.p
+    torch.div(ep_order, p.top_k, rounding_mode="floor", out=ep_send_rows)
+    if ep_src_q is not None:  # quantize the M token rows once, then gather fp8 rows (as bytes) and their scales
+        q = p.quant
+        if p.M:
+            quantize_activation(x.hidden_states, q.mode, out=ep_src_q, scale_out=ep_src_scale,
+                                static_scale=x.a1_scale if q.static_activation_scale else None,
+                                group_k=q.block_shape[1])
+        torch.index_select(ep_src_q.view(torch.uint8), 0, ep_send_rows, out=ep_send_hidden.view(torch.uint8))
+        if ep_send_scale is not None:
+            torch.index_select(ep_src_scale, 0, ep_send_rows, out=ep_send_scale)
+    else:
+        torch.index_select(x.hidden_states, 0, ep_send_rows, out=ep_send_hidden)
+    torch.index_select(x.topk_ids.reshape(-1).to(torch.int32), 0, ep_order, out=ep_send_meta[:, 0])
+    w_bits = x.topk_weights.reshape(-1).to(torch.float32).view(torch.int32)
+    torch.index_select(w_bits, 0, ep_order, out=ep_send_meta[:, 1])
+
+
+@step
+def _ep_dispatch(c, ep_send_counts, ep_send_hidden, ep_send_meta, ep_recv_hidden, ep_recv_meta, ep_recv_ids,
+                 ep_recv_w, ep_send_scale=None, ep_recv_scale=None):
+    """Exchange counts (the host sync of this path), then rows, metadata and scales; unpack the metadata."""
+    pf = c.component
+    send_list, recv_list = pf.transport.exchange_counts(ep_send_counts)
+    n_send, n_recv = sum(send_list), sum(recv_list)
+    R_max = ep_recv_ids.shape[0]
+    if n_recv > R_max:
+        raise ValueError(f"rank {pf.rank} received {n_recv} rows, more than the static bound {R_max}: "
+                         f"some rank has more than max_tokens_per_rank={pf.max_tokens_per_rank} tokens")
+    a2a = pf.transport.all_to_all
+    a2a(ep_recv_hidden[:n_recv], ep_send_hidden[:n_send], send_list, recv_list)
+    a2a(ep_recv_meta[:n_recv], ep_send_meta[:n_send], send_list, recv_list)
+    if ep_send_scale is not None:
+        a2a(ep_recv_scale[:n_recv], ep_send_scale[:n_send], send_list, recv_list)
+    ep_recv_ids[:n_recv, 0].copy_(ep_recv_meta[:n_recv, 0])
+    ep_recv_ids[n_recv:].fill_(-1)  # sentinel ids: rows that were not received are not local anywhere
+    ep_recv_w[:n_recv, 0].copy_(ep_recv_meta[:n_recv, 1].view(torch.float32))
+    c.state.update(send_list=send_list, recv_list=recv_list, n_send=n_send, n_recv=n_recv)
+
+
+def _common(x: ExpertsInputs) -> dict:
+    return dict(w1=x.w1, w2=x.w2, w1_scale=x.w1_scale, w2_scale=x.w2_scale, a1_scale=x.a1_scale,
+                a2_scale=x.a2_scale, w1_bias=x.w1_bias, w2_bias=x.w2_bias)
+
+
+@step
+def _ep_inputs(c, ep_recv_hidden, ep_recv_ids, ep_recv_w, ep_recv_scale=None, ep_a1q=None, ep_a1_scale=None,
+               ep_a1_partial=None):
+    """Standard layout: the received rows (fp8 rows arrive with their scales; a dynamic per-tensor scale is
+    taken here over the received rows only) as a problem of top-k 1 with this rank's expert_map."""
+    x, p, pf = c.x, c.p, c.component
+    n_recv = c.state["n_recv"]
+    q = p.quant
+    hidden, a1_scale = ep_recv_hidden, x.a1_scale
+    if ep_recv_scale is not None:
+        a1_scale = ep_recv_scale
+    elif ep_a1q is not None:  # quantize on arrival (dynamic per-tensor, or any mode without fp8 on the wire)
+        hidden = ep_a1q
+        if q.static_activation_scale:
+            a1_scale = x.a1_scale
+        else:
+            a1_scale = ep_a1_scale
+        if n_recv:
+            scale_out = None if q.static_activation_scale else ep_a1_scale
+            if scale_out is not None and scale_out.dim() == 2:
+                scale_out = scale_out[:n_recv]
+            quantize_activation(ep_recv_hidden[:n_recv], q.mode, out=ep_a1q[:n_recv], scale_out=scale_out,
+                                static_scale=x.a1_scale if q.static_activation_scale else None,
+                                partial=ep_a1_partial, group_k=q.block_shape[1])
+    emap = x.expert_map if x.expert_map is not None else pf.expert_map(ep_recv_hidden.device)
+    c.prepared = ExpertsInputs(hidden_states=hidden, topk_weights=ep_recv_w, topk_ids=ep_recv_ids, expert_map=emap,
+                               **{**_common(x), "a1_scale": a1_scale})
+
+
+@step
+def _ep_scatter(c, ep_recv_hidden, ep_recv_ids, ep_recv_w, b_keys, b_sorted_keys, b_order, b_offsets, b_counts,
+                b_rank, b_dest, b_ok, b_bad, b_a_sorted, b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched):
+    """Batched layout: the received rows scattered into [E_local, T, H] as by BatchedPrepareFinalize."""
+    x, p, pf = c.x, c.p, c.component
+    T = pf.tokens_per_expert()
+    mc = pf.max_count(ep_recv_hidden.device)
+    emap = x.expert_map if x.expert_map is not None else pf.expert_map(ep_recv_hidden.device)
+    bufs = ScatterBuffers(b_keys, b_sorted_keys, b_order, b_offsets, b_counts, b_rank, b_dest, b_ok, b_bad,
+                          b_a_sorted, b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched)
+    a, num_tokens = scatter_batched(
+        bufs, ep_recv_hidden, ep_recv_ids, ep_recv_w, E=pf.local_experts, global_E=pf.num_experts, T=T, top_k=1,
+        expert_map=emap, weight_on_input=p.apply_router_weight_on_input, max_count_out=mc)
+    if pf.max_tokens_per_expert is not None and not _capturing(mc) and int(mc.item()) > T:
+        raise BatchedCapacityError(
+            f"rank {pf.rank}: an expert received {int(mc.item())} rows but max_tokens_per_expert is {T}")
+    c.prepared = ExpertsInputs(hidden_states=a, topk_weights=None, topk_ids=None, expert_map=None,
+                               expert_num_tokens=num_tokens, **_common(x))
+
+
+# ---- combine ----------------------------------------------------------------------------------------------------
+@step
+def _ep_gather_batched(c, ep_recv_w, ep_recv_out, b_y_batched, b_slot_dest, b_g_index, b_g_invalid, b_g_rows):
+    """Batched layout: the per-row results (weighted unless applied on input) back in received-row order."""
+    n_recv = c.state["n_recv"]
+    w = None if c.p.apply_router_weight_on_input else ep_recv_w[:n_recv]
+    gather_batched(GatherBuffers(b_g_index, b_g_invalid, b_g_rows), b_y_batched, b_slot_dest[:n_recv], w,
+                   ep_recv_out[:n_recv], 1)
+
+
+@step
+def _ep_combine(c, ep_recv_out, ep_back, ep_keys, ep_order, ep_slot_pos, ep_g_index, ep_g_invalid, ep_g_rows):
+    """Result rows back to their source ranks, then each slot's row summed over top-k into the output."""
+    s, pf, p = c.state, c.component, c.p
+    pf.transport.all_to_all(ep_back[:s["n_send"]], ep_recv_out[:s["n_recv"]], s["recv_list"], s["send_list"])
+    ep_slot_pos.index_copy_(0, ep_order, _arange(p.slots, c.out.device))  # slot -> its row in the send order
+    ep_slot_pos.masked_fill_(ep_keys >= pf.world, -1)  # slots that went nowhere
+    gather_batched(GatherBuffers(ep_g_index, ep_g_invalid, ep_g_rows), ep_back, ep_slot_pos, None, c.out, p.top_k)
 
 
 __all__ = ["AllToAllPrepareFinalize", "contiguous_expert_map"]

@@ -2,41 +2,44 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 
-from ..experts.base import ExpertsInputs
 from ..problem import Layout, MoEProblem
+from ..steps import Step
 from ..workspace.manager import Workspace
 from ..workspace.plan import BufferSpec
 
 
-class PrepareFinalize(ABC):
+class PrepareFinalize:
     """Brings tokens to the experts and their results back.
 
-    ``prepare`` returns the :class:`ExpertsInputs` the experts run on (possibly dispatched to other ranks or
-    scattered into the batched layout); ``expert_output`` says where the experts write; ``finalize`` turns that
-    into the layer output [M, H] (weight-and-reduce if the experts did not, combine across ranks).
+    Prepare's steps may set ``c.prepared`` (the inputs the experts run on: dispatched to other ranks or
+    scattered into the batched layout; default: the caller's inputs); :meth:`expert_output` says where the
+    experts write; finalize's steps turn that into the layer output [M, H] (weight-and-reduce if the experts
+    did not, combine across ranks). Buffers that reach the experts inside ``c.prepared`` or as the expert
+    output are listed by :meth:`exports`.
     """
 
     layout: Layout = Layout.STANDARD
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
-        """Scratch buffers of prepare/finalize for problem ``p`` (none by default)."""
+    def buffers(self, p: MoEProblem) -> list[BufferSpec]:
+        """Scratch buffers (no lifetimes) of prepare/finalize for problem ``p`` (none by default)."""
         return []
 
     def problem(self, p: MoEProblem) -> MoEProblem:
         """The problem the experts see after prepare (the same one unless tokens move between ranks)."""
         return p
 
-    @abstractmethod
-    def prepare(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> ExpertsInputs: ...
+    def prepare_steps(self, p: MoEProblem) -> list[Step]:
+        return []
 
-    @abstractmethod
-    def expert_output(self, output: torch.Tensor, p: MoEProblem, ws: Workspace) -> torch.Tensor: ...
+    def finalize_steps(self, p: MoEProblem) -> list[Step]:
+        return []
 
-    @abstractmethod
-    def finalize(
-        self, output: torch.Tensor, expert_output: torch.Tensor, x: ExpertsInputs, p: MoEProblem, ws: Workspace
-    ) -> None: ...
+    def exports(self, p: MoEProblem) -> tuple[str, ...]:
+        """Buffers handed to the experts inside ``c.prepared`` or as the expert output."""
+        return ()
+
+    def expert_output(self, output: torch.Tensor, inner: MoEProblem, ws: Workspace) -> torch.Tensor:
+        """Where the experts write (an exported buffer's view, or the layer output itself)."""
+        return output

@@ -29,14 +29,16 @@ the check is skipped: read ``max_count`` after a replay instead.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from ..experts.base import ExpertsInputs
 from ..experts.torch_experts import local_expert_keys
 from ..problem import Layout, MoEProblem
+from ..steps import step
 from ..workspace.manager import Workspace
-from ..workspace.plan import BufferSpec, Phase
+from ..workspace.plan import BufferSpec
 from .base import PrepareFinalize
 
 
@@ -58,48 +60,54 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def scatter_plan(prefix: str, S: int, H: int, E: int, T: int, dtype: torch.dtype) -> list[BufferSpec]:
-    """Buffers of :func:`scatter_batched` for S slots into E experts of T rows of width H."""
+class ScatterBuffers(NamedTuple):
+    """Views used by :func:`scatter_batched` (plan buffers ``b_<field>``, see :func:`scatter_plan`)."""
+
+    keys: torch.Tensor
+    sorted_keys: torch.Tensor
+    order: torch.Tensor
+    offsets: torch.Tensor
+    counts: torch.Tensor
+    rank: torch.Tensor
+    dest: torch.Tensor
+    ok: torch.Tensor
+    bad: torch.Tensor
+    a_sorted: torch.Tensor
+    w_sorted: torch.Tensor
+    slot_dest: torch.Tensor
+    num_tokens: torch.Tensor
+    a_batched: torch.Tensor
+
+
+class GatherBuffers(NamedTuple):
+    """Views used by :func:`gather_batched` (plan buffers ``<prefix>g_index`` etc., see :func:`gather_plan`)."""
+
+    index: torch.Tensor
+    invalid: torch.Tensor
+    rows: torch.Tensor
+
+
+def scatter_plan(S: int, H: int, E: int, T: int, dtype: torch.dtype) -> list[BufferSpec]:
+    """Buffers ``b_*`` of :func:`scatter_batched` for S slots into E experts of T rows of width H."""
     i64, i32, b = torch.int64, torch.int32, torch.bool
-    P, F = Phase.PREPARE, Phase.FINALIZE
-    n = prefix
+    shapes = dict(keys=((S,), i64), sorted_keys=((S,), i64), order=((S,), i64), offsets=((E + 1,), i64),
+                  counts=((E,), i64), rank=((S,), i64), dest=((S,), i64), ok=((S,), b), bad=((S,), b),
+                  a_sorted=((S, H), dtype), w_sorted=((S,), torch.float32), slot_dest=((S,), i64),
+                  num_tokens=((E,), i32), a_batched=((E * T + 1, H), dtype))
+    return [BufferSpec("b_" + f, *shapes[f]) for f in ScatterBuffers._fields]
+
+
+def gather_plan(prefix: str, S: int, H: int, dtype: torch.dtype) -> list[BufferSpec]:
+    """Buffers ``<prefix>g_*`` of :func:`gather_batched` over S slots of width H."""
     return [
-        BufferSpec(n + "keys", (S,), i64, P, P),
-        BufferSpec(n + "sorted_keys", (S,), i64, P, P),
-        BufferSpec(n + "order", (S,), i64, P, P),
-        BufferSpec(n + "offsets", (E + 1,), i64, P, P),
-        BufferSpec(n + "counts", (E,), i64, P, P),
-        BufferSpec(n + "rank", (S,), i64, P, P),
-        BufferSpec(n + "dest", (S,), i64, P, P),
-        BufferSpec(n + "ok", (S,), b, P, P),
-        BufferSpec(n + "bad", (S,), b, P, P),
-        BufferSpec(n + "a_sorted", (S, H), dtype, P, P),
-        BufferSpec(n + "w_sorted", (S,), torch.float32, P, P),
-        BufferSpec(n + "slot_dest", (S,), i64, P, F),
-        BufferSpec(n + "num_tokens", (E,), i32, P, Phase.GEMM2),
-        BufferSpec(n + "a_batched", (E * T + 1, H), dtype, P, Phase.GEMM1),
-    ]
-
-
-def gather_plan(prefix: str, S: int, H: int, E: int, T: int, dtype: torch.dtype) -> list[BufferSpec]:
-    """Buffers of the batched expert output and of :func:`gather_batched`."""
-    y = BufferSpec(prefix + "y_batched", (E * T, H), dtype, Phase.GEMM2, Phase.FINALIZE, region="2")
-    return [y, *reduce_plan(prefix, S, H, dtype)]
-
-
-def reduce_plan(prefix: str, S: int, H: int, dtype: torch.dtype) -> list[BufferSpec]:
-    """Buffers of :func:`gather_batched` over S slots of width H."""
-    F = Phase.FINALIZE
-    return [
-        BufferSpec(prefix + "g_index", (S,), torch.int64, F, F),
-        BufferSpec(prefix + "g_invalid", (S,), torch.bool, F, F),
-        BufferSpec(prefix + "g_rows", (S, H), dtype, F, F),
+        BufferSpec(prefix + "g_index", (S,), torch.int64),
+        BufferSpec(prefix + "g_invalid", (S,), torch.bool),
+        BufferSpec(prefix + "g_rows", (S, H), dtype),
     ]
 
 
 def scatter_batched(
-    ws: Workspace,
-    prefix: str,
+    b: ScatterBuffers,
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor | None,
@@ -122,48 +130,41 @@ def scatter_batched(
     """
     S = topk_ids.numel()
     dev = hidden.device
-    keys, sorted_keys, order = ws[prefix + "keys"], ws[prefix + "sorted_keys"], ws[prefix + "order"]
-    local_expert_keys(topk_ids, expert_map, E, global_E, out=keys, scratch=sorted_keys)
-    torch.sort(keys, stable=True, out=(sorted_keys, order))
-    offsets, counts = ws[prefix + "offsets"], ws[prefix + "counts"]
-    torch.searchsorted(sorted_keys, _arange(E + 1, dev), out=offsets)
-    torch.sub(offsets[1:], offsets[:-1], out=counts)
+    local_expert_keys(topk_ids, expert_map, E, global_E, out=b.keys, scratch=b.sorted_keys)
+    torch.sort(b.keys, stable=True, out=(b.sorted_keys, b.order))
+    torch.searchsorted(b.sorted_keys, _arange(E + 1, dev), out=b.offsets)
+    torch.sub(b.offsets[1:], b.offsets[:-1], out=b.counts)
     if max_count_out is not None:
         if E:
-            torch.amax(counts, dim=0, keepdim=True, out=max_count_out)
+            torch.amax(b.counts, dim=0, keepdim=True, out=max_count_out)
         else:
             max_count_out.fill_(0)
-    num_tokens = ws[prefix + "num_tokens"]
-    num_tokens.copy_(counts.clamp_(max=T))
+    b.num_tokens.copy_(b.counts.clamp_(max=T))
 
-    rank, dest, bad, tmp = ws[prefix + "rank"], ws[prefix + "dest"], ws[prefix + "bad"], ws[prefix + "ok"]
-    torch.index_select(offsets, 0, sorted_keys, out=rank)  # segment start of each sorted slot
+    rank, dest, bad = b.rank, b.dest, b.bad
+    torch.index_select(b.offsets, 0, b.sorted_keys, out=rank)  # segment start of each sorted slot
     torch.sub(_arange(S, dev), rank, out=rank)
     torch.ge(rank, T, out=bad)  # over capacity
-    bad.logical_or_(torch.ge(sorted_keys, E, out=tmp))  # not local
-    torch.mul(sorted_keys, T, out=dest)
+    bad.logical_or_(torch.ge(b.sorted_keys, E, out=b.ok))  # not local
+    torch.mul(b.sorted_keys, T, out=dest)
     dest.add_(rank)
     dest.masked_fill_(bad, -1)
-    slot_dest = ws[prefix + "slot_dest"]
-    slot_dest.index_copy_(0, order, dest)  # order is a permutation: every element written
+    b.slot_dest.index_copy_(0, b.order, dest)  # order is a permutation: every element written
     trash = E * T
     dest.masked_fill_(bad, trash)
 
-    a_sorted = ws[prefix + "a_sorted"]
-    torch.index_select(hidden, 0, torch.div(order, top_k, rounding_mode="floor", out=rank), out=a_sorted)
+    a_sorted = b.a_sorted
+    torch.index_select(hidden, 0, torch.div(b.order, top_k, rounding_mode="floor", out=rank), out=a_sorted)
     if weight_on_input:
-        w_sorted = ws[prefix + "w_sorted"]
-        torch.index_select(topk_weights.reshape(-1).to(torch.float32), 0, order, out=w_sorted)
-        a_sorted.mul_(w_sorted[:, None])
-    a_batched = ws[prefix + "a_batched"]
-    a_batched.index_copy_(0, dest, a_sorted)
+        torch.index_select(topk_weights.reshape(-1).to(torch.float32), 0, b.order, out=b.w_sorted)
+        a_sorted.mul_(b.w_sorted[:, None])
+    b.a_batched.index_copy_(0, dest, a_sorted)
     H = hidden.shape[1]
-    return a_batched[:trash].view(E, T, H), num_tokens
+    return b.a_batched[:trash].view(E, T, H), b.num_tokens
 
 
 def gather_batched(
-    ws: Workspace,
-    prefix: str,
+    g: GatherBuffers,
     y_batched: torch.Tensor,
     slot_dest: torch.Tensor,
     topk_weights: torch.Tensor | None,
@@ -173,7 +174,7 @@ def gather_batched(
     """``out[t] = sum_j w[t, j] * y[slot_dest[t*k + j]]`` over slots with a row (``topk_weights`` None: no
     weighting). ``y_batched`` [E*T, H] is read at valid rows only; ``out`` [M, H] is written in full."""
     S = slot_dest.numel()
-    idx, invalid, rows = ws[prefix + "g_index"][:S], ws[prefix + "g_invalid"][:S], ws[prefix + "g_rows"][:S]
+    idx, invalid, rows = g.index[:S], g.invalid[:S], g.rows[:S]
     torch.lt(slot_dest, 0, out=invalid)
     torch.clamp(slot_dest, min=0, out=idx)
     torch.index_select(y_batched, 0, idx, out=rows)
@@ -228,9 +229,21 @@ class BatchedPrepareFinalize(PrepareFinalize):
     def problem(self, p: MoEProblem) -> MoEProblem:
         return replace(p, max_tokens_per_expert=self.tokens_per_expert(p.M))
 
-    def plan(self, p: MoEProblem) -> list[BufferSpec]:
+    def buffers(self, p: MoEProblem) -> list[BufferSpec]:
+        if p.M == 0:
+            return []
         T = self.tokens_per_expert(p.M)
-        return scatter_plan("b_", p.slots, p.H, p.E, T, p.dtype) + gather_plan("b_", p.slots, p.H, p.E, T, p.dtype)
+        y = BufferSpec("b_y_batched", (p.E * T, p.H), p.dtype, region="2")
+        return [*scatter_plan(p.slots, p.H, p.E, T, p.dtype), y, *gather_plan("b_", p.slots, p.H, p.dtype)]
+
+    def prepare_steps(self, p: MoEProblem):
+        return [] if p.M == 0 else [_scatter]
+
+    def finalize_steps(self, p: MoEProblem):
+        return [] if p.M == 0 else [_gather]
+
+    def exports(self, p: MoEProblem) -> tuple[str, ...]:
+        return () if p.M == 0 else ("b_a_batched", "b_num_tokens", "b_y_batched")
 
     def max_count(self, device: torch.device | str) -> torch.Tensor:
         """int64 [1] on ``device``: the largest per-expert token count (before capping) of the last call there.
@@ -240,35 +253,44 @@ class BatchedPrepareFinalize(PrepareFinalize):
         """
         return max_count_tensor(self._max_count, device)
 
-    def prepare(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace) -> ExpertsInputs:
-        T = self.tokens_per_expert(p.M)
-        ids = x.topk_ids if x.topk_ids.is_contiguous() else x.topk_ids.contiguous()
-        mc = self.max_count(x.hidden_states.device)
-        a, num_tokens = scatter_batched(
-            ws, "b_", x.hidden_states, ids, x.topk_weights, E=p.E, global_E=p.global_E, T=T, top_k=p.top_k,
-            expert_map=x.expert_map, weight_on_input=p.apply_router_weight_on_input, max_count_out=mc)
-        if self.check_capacity and not _capturing(mc):
-            worst = int(mc.item())  # the one host sync, only with check_capacity
-            if worst > T:
-                raise BatchedCapacityError(
-                    f"an expert received {worst} tokens but max_tokens_per_expert is {T}: raise the cap (or "
-                    f"pass max_tokens_per_expert=None for the static bound M={p.M}); the excess was dropped")
-        return ExpertsInputs(
-            hidden_states=a, w1=x.w1, w2=x.w2, topk_weights=None, topk_ids=None, expert_map=None,
-            expert_num_tokens=num_tokens, w1_scale=x.w1_scale, w2_scale=x.w2_scale, a1_scale=x.a1_scale,
-            a2_scale=x.a2_scale, w1_bias=x.w1_bias, w2_bias=x.w2_bias)
+    def expert_output(self, output: torch.Tensor, inner: MoEProblem, ws: Workspace) -> torch.Tensor:
+        return ws["b_y_batched"].view(inner.E, inner.max_tokens_per_expert, inner.H)
 
-    def expert_output(self, output: torch.Tensor, p: MoEProblem, ws: Workspace) -> torch.Tensor:
-        return ws["b_y_batched"].view(p.E, p.max_tokens_per_expert, p.H)
 
-    def finalize(self, output, expert_output, x, p, ws) -> None:
-        w = None if p.apply_router_weight_on_input else x.topk_weights
-        gather_batched(ws, "b_", expert_output.view(-1, p.H), ws["b_slot_dest"], w, output, p.top_k)
+@step
+def _scatter(c, b_keys, b_sorted_keys, b_order, b_offsets, b_counts, b_rank, b_dest, b_ok, b_bad, b_a_sorted,
+             b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched):
+    x, p, pf = c.x, c.p, c.component
+    T = pf.tokens_per_expert(p.M)
+    ids = x.topk_ids if x.topk_ids.is_contiguous() else x.topk_ids.contiguous()
+    mc = pf.max_count(x.hidden_states.device)
+    bufs = ScatterBuffers(b_keys, b_sorted_keys, b_order, b_offsets, b_counts, b_rank, b_dest, b_ok, b_bad,
+                          b_a_sorted, b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched)
+    a, num_tokens = scatter_batched(
+        bufs, x.hidden_states, ids, x.topk_weights, E=p.E, global_E=p.global_E, T=T, top_k=p.top_k,
+        expert_map=x.expert_map, weight_on_input=p.apply_router_weight_on_input, max_count_out=mc)
+    if pf.check_capacity and not _capturing(mc):
+        worst = int(mc.item())  # the one host sync, only with check_capacity
+        if worst > T:
+            raise BatchedCapacityError(
+                f"an expert received {worst} tokens but max_tokens_per_expert is {T}: raise the cap (or "
+                f"pass max_tokens_per_expert=None for the static bound M={p.M}); the excess was dropped")
+    c.prepared = ExpertsInputs(
+        hidden_states=a, w1=x.w1, w2=x.w2, topk_weights=None, topk_ids=None, expert_map=None,
+        expert_num_tokens=num_tokens, w1_scale=x.w1_scale, w2_scale=x.w2_scale, a1_scale=x.a1_scale,
+        a2_scale=x.a2_scale, w1_bias=x.w1_bias, w2_bias=x.w2_bias)
+
+
+@step
+def _gather(c, b_y_batched, b_slot_dest, b_g_index, b_g_invalid, b_g_rows):
+    p = c.p
+    w = None if p.apply_router_weight_on_input else c.x.topk_weights
+    gather_batched(GatherBuffers(b_g_index, b_g_invalid, b_g_rows), b_y_batched, b_slot_dest, w, c.out, p.top_k)
 
 
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-__all__ = ["BatchedCapacityError", "BatchedPrepareFinalize", "gather_batched", "gather_plan", "reduce_plan",
-           "scatter_batched", "scatter_plan"]
+__all__ = ["BatchedCapacityError", "BatchedPrepareFinalize", "GatherBuffers", "ScatterBuffers", "gather_batched",
+           "gather_plan", "scatter_batched", "scatter_plan"]

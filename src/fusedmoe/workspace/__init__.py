@@ -10,13 +10,13 @@ from .manager import (
     caller_workspace,
     default_manager,
 )
-from .plan import ALIGNMENT, BufferSpec, Phase, WorkspacePlan
+from .plan import ALIGNMENT, BufferSpec, PlanError, WorkspacePlan
 
 __all__ = [
     "ALIGNMENT",
     "STRATEGIES",
     "BufferSpec",
-    "Phase",
+    "PlanError",
     "Workspace",
     "WorkspaceError",
     "WorkspaceFrozenError",

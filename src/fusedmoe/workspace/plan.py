@@ -1,20 +1,23 @@
 """Workspace plans: what scratch a problem needs, when each buffer lives, and where it goes.
 
-A plan is a pure function of the problem (M, H, I, E, top-k, dtype, quantization, layout): no tensors, no
-device. Components (prepare/finalize, experts) each return a list of :class:`BufferSpec`; the kernel merges
-them into one :class:`WorkspacePlan`, which lays the buffers out in a single byte arena so that buffers whose
-lifetimes do not overlap share bytes (the seed PRs' "13" / "2" pairing is one instance of this rule).
+A plan is a pure function of the problem and its launch (M, H, I, E, top-k, dtype, quantization, layout,
+tile sizes): no tensors, no device. Components (prepare/finalize, experts) each declare their buffers as
+:class:`BufferSpec` without a lifetime; :class:`fusedmoe.steps.Program` assigns every lifetime from the steps
+that actually name the buffer (a step can touch only the buffers its signature names), and lays the buffers
+out in a single byte arena so that buffers whose lifetimes do not overlap share bytes (the seed PRs' "13" / "2"
+pairing is one instance of this rule).
 
-Lifetimes are measured in *phases* (:class:`Phase`): a buffer is live from the phase in which it is first
-written to the phase in which it is last read, both inclusive. Two buffers may alias only if their phase
-intervals are disjoint.
+Lifetimes are closed intervals of *step indices* in execution order: a buffer is live from the first step that
+names it to the last. Two buffers may alias only if their intervals are disjoint. Every plan checks this
+invariant on its own layout (and on each caller region's layout) when it is built: no two buffers whose
+lifetimes overlap share a byte.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -22,17 +25,8 @@ import torch
 ALIGNMENT = 256
 
 
-class Phase(IntEnum):
-    """The ordered stages of one MoE call; buffer lifetimes are intervals over these."""
-
-    PREPARE = 0  # input quantization, dispatch
-    ALIGN = 1  # sort tokens by expert, padding
-    GATHER = 2  # gather token rows (torch experts)
-    GEMM1 = 3  # gate/up projection (+ fused activation in Triton)
-    ACTIVATION = 4  # activation and GEMM1-output quantization
-    GEMM2 = 5  # down projection (+ routing weight)
-    REDUCE = 6  # un-permute and reduce over top-k
-    FINALIZE = 7  # combine (EP), write the layer output
+class PlanError(ValueError):
+    """A plan that breaks its own rules (a buffer without a lifetime, two live buffers sharing bytes, ...)."""
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -44,11 +38,12 @@ class BufferSpec:
     """One scratch buffer of a plan.
 
     Attributes:
-        name: unique within a plan; the key under which the view is handed out.
+        name: unique within a plan; the key under which the view is handed out and the parameter name by
+            which a step asks for it.
         shape: tensor shape of the view (any dim may be 0).
         dtype: element type of the view.
-        first: phase in which the buffer is first written.
-        last: phase in which it is last read (``last >= first``).
+        first, last: the lifetime, a closed interval of step indices (``last >= first``). Components leave
+            them None; :class:`fusedmoe.steps.Program` sets them from the steps that name the buffer.
         zero: ``None`` if the buffer may start with garbage (the normal case), otherwise the reason why the
             whole buffer must be zero before the call; the manager zeroes it and counts the bytes.
         region: ``"13"`` or ``"2"``: which caller-provided workspace (``workspace13`` / ``workspace2``) the
@@ -58,14 +53,19 @@ class BufferSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    first: Phase
-    last: Phase
+    first: int | None = None
+    last: int | None = None
     zero: str | None = None
     region: str = "13"
 
     def __post_init__(self) -> None:
-        if int(self.last) < int(self.first):
-            raise ValueError(f"buffer {self.name!r}: last phase {self.last!r} precedes first {self.first!r}")
+        if (self.first is None) != (self.last is None):
+            raise ValueError(f"buffer {self.name!r}: give both first and last, or neither")
+        if self.first is not None:
+            object.__setattr__(self, "first", int(self.first))
+            object.__setattr__(self, "last", int(self.last))
+            if self.last < self.first:
+                raise ValueError(f"buffer {self.name!r}: last step {self.last} precedes first {self.first}")
         if any(int(d) < 0 for d in self.shape):
             raise ValueError(f"buffer {self.name!r}: negative dimension in shape {self.shape}")
         if self.region not in ("13", "2"):
@@ -78,10 +78,14 @@ class BufferSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
+
+    def live(self, first: int, last: int) -> BufferSpec:
+        """This buffer with the lifetime [first, last]."""
+        return replace(self, first=first, last=last)
 
     def overlaps_in_time(self, other: BufferSpec) -> bool:
-        return int(self.first) <= int(other.last) and int(other.first) <= int(self.last)
+        return self.first <= other.last and other.first <= self.last
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ def lay_out(specs: list[BufferSpec] | tuple[BufferSpec, ...]) -> tuple[dict[str,
     Returns:
         (placements by name, total bytes of the arena, a multiple of ALIGNMENT).
     """
+    for spec in specs:
+        if spec.first is None:
+            raise PlanError(f"buffer {spec.name!r} has no lifetime: plans are built by fusedmoe.steps.Program")
     order = sorted(range(len(specs)), key=lambda i: (-specs[i].nbytes, int(specs[i].first), i))
     placed: list[Placement] = []
     for i in order:
@@ -118,7 +125,24 @@ def lay_out(specs: list[BufferSpec] | tuple[BufferSpec, ...]) -> tuple[dict[str,
             offset = max(offset, stop)
         placed.append(Placement(spec, offset))
     total = max((align_up(p.end) for p in placed), default=0)
-    return {p.spec.name: p for p in placed}, total
+    placements = {p.spec.name: p for p in placed}
+    check_layout(placements, total)
+    return placements, total
+
+
+def check_layout(placements: dict[str, Placement], total: int) -> None:
+    """The plan invariant: every offset aligned, every buffer inside the arena, and no two buffers whose
+    lifetimes overlap share a byte. Raises PlanError naming the pair."""
+    for p in placements.values():
+        if p.offset % ALIGNMENT or p.offset < 0 or align_up(p.end) > total:
+            raise PlanError(f"buffer {p.spec.name!r} at {p.offset} +{p.spec.nbytes} is misplaced in {total} B")
+    for a, b in itertools.combinations(placements.values(), 2):
+        if (a.spec.nbytes and b.spec.nbytes and a.spec.overlaps_in_time(b.spec)
+                and a.offset < b.end and b.offset < a.end):
+            raise PlanError(
+                f"buffers {a.spec.name!r} (steps {a.spec.first}..{a.spec.last}) and {b.spec.name!r} (steps "
+                f"{b.spec.first}..{b.spec.last}) are live together but share bytes"
+            )
 
 
 @dataclass(frozen=True)
@@ -126,10 +150,12 @@ class WorkspacePlan:
     """The merged scratch needs of one MoE call: buffers plus their layout in one arena.
 
     ``nbytes`` is what the arena must hold; ``region_nbytes`` what each caller-provided workspace must hold
-    when the caller passes both ``workspace13`` and ``workspace2``.
+    when the caller passes both ``workspace13`` and ``workspace2``. ``steps`` names the steps the lifetimes
+    index (for :meth:`describe`).
     """
 
     buffers: tuple[BufferSpec, ...]
+    steps: tuple[str, ...] = ()
     placements: dict[str, Placement] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False)
 
@@ -141,10 +167,6 @@ class WorkspacePlan:
         placements, total = lay_out(self.buffers)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "nbytes", total)
-
-    @classmethod
-    def merge(cls, *parts: list[BufferSpec] | tuple[BufferSpec, ...]) -> WorkspacePlan:
-        return cls(tuple(b for part in parts for b in part))
 
     @property
     def sum_nbytes(self) -> int:
@@ -165,11 +187,15 @@ class WorkspacePlan:
 
     def describe(self) -> str:
         rows = [f"plan: {self.nbytes} B arena ({self.sum_nbytes} B without aliasing)"]
+        if self.steps:
+            rows.append("  steps: " + " -> ".join(f"{i}:{n}" for i, n in enumerate(self.steps)))
         for b in self.buffers:
             p = self.placements[b.name]
             z = f" zero: {b.zero}" if b.zero else ""
+            live = (f"{self.steps[b.first]}..{self.steps[b.last]}" if len(self.steps) > b.last
+                    else f"{b.first}..{b.last}")
             rows.append(
                 f"  {b.name:<14} {str(tuple(b.shape)):<20} {str(b.dtype):<22} "
-                f"[{b.first.name}..{b.last.name}] @ {p.offset} +{b.nbytes}{z}"
+                f"[{live}] @ {p.offset} +{b.nbytes}{z}"
             )
         return "\n".join(rows)
