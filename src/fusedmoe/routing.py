@@ -3,6 +3,12 @@
 One function, :func:`route`, turns router logits ``[M, E]`` into ``(topk_weights, topk_ids)`` the way each
 supported model family does it; :data:`ROUTING_PRESETS` holds the keyword settings per family.
 
+Non-finite logits (padding rows of CUDA-graph batches carry them in real serving) follow one rule in every
+mode and on every path: ``+inf`` counts as the largest finite float32, ``NaN`` as ``-inf`` (never chosen over
+a logit that is not -inf; it fills the top-k only behind every real candidate, with weight 0), and a row
+without any logit above ``-inf`` (all NaN or -inf) selects experts ``0..k-1`` with weight 0. So ids are always
+distinct and in ``[0, E)`` and weights always finite, whatever the logits.
+
 On CUDA tensors the whole computation runs as one Triton launch (:mod:`fusedmoe.ops.routing`) with the same
 rules; the torch code below is the definition and the path everywhere else.
 """
@@ -53,6 +59,8 @@ ROUTING_PRESETS: dict[str, dict] = {
 # Added to the renormalization denominator (as DeepSeek-V3's reference does) so that k scores that all
 # underflow to 0 give weights 0 instead of NaN; it is far below float32 resolution for any real sum.
 _RENORM_EPS = 1e-20
+_NEG_INF = float("-inf")
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 def _is_int(x) -> bool:
@@ -170,6 +178,7 @@ def route(
     Returns:
         ``(topk_weights, topk_ids)``: float32 ``[M, top_k]`` and int32 ``[M, top_k]``, both contiguous, on
         ``router_logits.device``; per token in descending order of the choice score (ties as torch.topk).
+        Ids are distinct and in ``[0, E)`` and weights finite for any logits (non-finite ones: module docs).
 
     Model settings (see :data:`ROUTING_PRESETS`):
         * Qwen3-MoE, Mixtral: ``scoring="softmax", renormalize=True``.
@@ -191,8 +200,10 @@ def route(
         return route_fused(router_logits, top_k, scoring=scoring, renormalize=renormalize,
                            num_expert_groups=num_expert_groups, topk_groups=topk_groups,
                            correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor)
-    logits = router_logits.float()
+    logits = torch.nan_to_num(router_logits.float(), nan=_NEG_INF, posinf=_FLOAT_MAX, neginf=_NEG_INF)
     M, E = logits.shape
+    dead = logits.amax(dim=-1, keepdim=True) == _NEG_INF  # rows with nothing to choose (see module docs)
+    logits = logits.masked_fill(dead, 0.0)  # any finite row: ranks tie, the weights are replaced below
 
     if scoring == "softmax_topk":
         top_logits, topk_ids = torch.topk(logits, top_k, dim=-1)
@@ -221,4 +232,6 @@ def route(
 
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
+    topk_weights = topk_weights.masked_fill(dead, 0.0)
+    topk_ids = torch.where(dead, torch.arange(top_k, device=logits.device), topk_ids)
     return topk_weights.contiguous(), topk_ids.to(torch.int32).contiguous()

@@ -13,6 +13,9 @@ rows, with the same rules:
   and multiply by ``routed_scaling_factor``. Softmax without a bias ranks by the logits themselves (same
   order) and exponentiates only the k winners (plus one sum over E when not renormalizing).
 
+Non-finite logits follow :mod:`fusedmoe.routing`'s rule: NaN is read as -inf, +inf as the largest finite
+float32, and a row without a logit above -inf gets ids ``0..k-1`` with weight 0.
+
 Outputs: ``topk_weights`` float32 [M, k], ``topk_ids`` int32 [M, k]; every row < M is written.
 """
 
@@ -40,6 +43,12 @@ def _unordered(o):
 
 
 @triton.jit
+def _positive(d):
+    """A denominator that is 1 where it would be 0 (rows whose numerators are all 0 then give 0, not NaN)."""
+    return tl.where(d > 0, d, 1.0)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr,
     M, E, stride_lm, scale,
@@ -54,7 +63,10 @@ def _route_kernel(
     ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :]
     x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
     neg_inf = float("-inf")
+    x = tl.minimum(tl.where(x != x, neg_inf, x), 3.4028234663852886e38)  # NaN -> -inf, +inf -> float32 max
     x_max = tl.max(x, axis=1)
+    dead = x_max == neg_inf  # nothing to choose: ids 0..k-1 with weight 0
+    x_max = tl.where(dead, 0.0, x_max)
 
     # ``choose`` ranks experts; ``value`` is what a chosen expert's weight is made of. Without a bias, softmax
     # ranks like its logits (same denominator per row), so the full softmax is only needed with a bias.
@@ -65,7 +77,7 @@ def _route_kernel(
     if HAS_BIAS:
         if SCORING == 0:
             ex = tl.where(col_ok[None, :], tl.exp(x - x_max[:, None]), 0.0)
-            score = ex / tl.sum(ex, axis=1)[:, None]
+            score = ex / _positive(tl.sum(ex, axis=1))[:, None]
         else:
             score = value
         choose = score + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -121,16 +133,17 @@ def _route_kernel(
         weights = tl.exp(picked - x_max[:, None])
         if not RENORM:
             ex_all = tl.where(col_ok[None, :], tl.exp(x - x_max[:, None]), 0.0)
-            weights = weights / tl.sum(ex_all, axis=1)[:, None]
+            weights = weights / _positive(tl.sum(ex_all, axis=1))[:, None]
     else:
         top = tl.max(tl.where(k_ok[None, :], picked, neg_inf), axis=1)
-        weights = tl.exp(picked - top[:, None])
+        weights = tl.exp(picked - tl.where(dead, 0.0, top)[:, None])
     weights = tl.where(k_ok[None, :], weights, 0.0)
     if SCORING == 2:
-        weights = weights / tl.sum(weights, axis=1)[:, None]
+        weights = weights / _positive(tl.sum(weights, axis=1))[:, None]
     elif RENORM:  # + 1e-20 as fusedmoe.routing: k scores that all underflow give 0, not NaN
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
-    weights = weights * scale
+    weights = tl.where(dead[:, None], 0.0, weights * scale)
+    ids = tl.where(dead[:, None], kcols[None, :], ids)
 
     out = rows.to(tl.int64)[:, None] * K + kcols[None, :]
     mask = row_ok[:, None] & k_ok[None, :]
