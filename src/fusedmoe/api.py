@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .checks import check_fused_moe_args
+from .checks import check_fused_moe_args, forbid_gradients
 from .experts.base import Experts, ExpertsInputs
 from .experts.torch_experts import TorchExperts
 from .kernel import MoEKernel
@@ -46,14 +46,11 @@ def get_kernel(backend: str) -> MoEKernel:
 
 def set_decode_path(enabled: bool) -> None:
     """Switch the Triton backend's two-launch decode path (``ops/decode.py``) on or off for this process
-    (default: env ``FUSEDMOE_DECODE_PATH=1``); drops the cached plans and launch parameters that depend on it."""
+    (default: env ``FUSEDMOE_DECODE_PATH=1``). Launches and plans are keyed by the switch, so nothing needs
+    dropping."""
     from .ops import decode
 
     decode.ENABLED = bool(enabled)
-    kernel = _KERNELS.get("triton")
-    if kernel is not None:
-        kernel._plans.clear()
-        kernel.experts._launches.clear()
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -170,7 +167,11 @@ def run_problem(
     workspace2: torch.Tensor | None = None,
     owner: object = None,
 ) -> torch.Tensor:
-    """Run a validated problem through the chosen backend's kernel (used by fused_moe and FusedMoE)."""
+    """Run a validated problem through the chosen backend's kernel (used by fused_moe and FusedMoE).
+
+    Raises GradientNotSupportedError when autograd would need a gradient of the result."""
+    forbid_gradients("fused_moe", hidden_states=x.hidden_states, w1=x.w1, w2=x.w2, topk_weights=x.topk_weights,
+                     w1_bias=x.w1_bias, w2_bias=x.w2_bias, w1_scale=x.w1_scale, w2_scale=x.w2_scale)
     device = x.hidden_states.device
     kernel = get_kernel(resolve_backend(backend, device))
     reason = kernel.unsupported(p)

@@ -19,6 +19,24 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHECK_LEVELS = ("basic", "full")
 
 
+class GradientNotSupportedError(RuntimeError):
+    """A fusedmoe call was asked for a gradient: it computes forward passes only (so far)."""
+
+
+def forbid_gradients(where: str, **tensors: torch.Tensor | None) -> None:
+    """Raise :class:`GradientNotSupportedError` when autograd is recording and any of ``tensors`` requires grad:
+    the result would carry no gradient, and a silently missing gradient is a wrong answer."""
+    if not torch.is_grad_enabled():
+        return
+    needing = [name for name, t in tensors.items() if t is not None and t.requires_grad]
+    if needing:
+        raise GradientNotSupportedError(
+            f"{where}: {', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad, but fusedmoe has no "
+            "backward pass yet. For inference run under torch.no_grad() or torch.inference_mode() (or set "
+            "requires_grad=False on the weights); to train, use transformers' default experts implementation."
+        )
+
+
 def check_level(checks: str | None) -> str:
     level = checks if checks is not None else os.environ.get("FUSEDMOE_CHECKS", "basic")
     if level not in CHECK_LEVELS:

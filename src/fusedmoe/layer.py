@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .api import get_kernel, resolve_backend, run_problem
-from .checks import check_activation, positive_int
+from .checks import check_activation, forbid_gradients, positive_int
 from .experts.base import ExpertsInputs
 from .problem import MoEProblem
 from .reference import activation_reference
@@ -222,6 +222,9 @@ class FusedMoE(nn.Module):
             raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
+        forbid_gradients("FusedMoE", hidden_states=x, router_logits=router_logits, w1=self.w1, w2=self.w2,
+                         gate=self.gate if router_logits is None else None, gate_bias=self.gate_bias,
+                         w1_bias=self.w1_bias, w2_bias=self.w2_bias)
         topk_weights, topk_ids = self.route(x, router_logits)
         if self._parallel is not None:  # expert parallelism or the batched layout (fusedmoe.distributed)
             out = self._parallel.forward(self, x, topk_weights, topk_ids)

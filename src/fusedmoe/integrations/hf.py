@@ -13,18 +13,19 @@ Two ways in:
   (gpt-oss's experts are converted). All patched layers of a model share one WorkspaceManager.
   :func:`unpatch_model` puts the original blocks back.
 
-Both are inference paths: they run under ``torch.no_grad()`` (the result carries no gradient).
+Both are inference paths so far: a forward that would need a gradient (autograd recording and a weight or input
+requiring grad) raises :class:`fusedmoe.checks.GradientNotSupportedError` instead of dropping the gradient;
+run inference under ``torch.no_grad()`` / ``torch.inference_mode()`` (``generate`` does).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..api import fused_moe
+from ..checks import forbid_gradients
 from ..layer import FusedMoE
 from ..loading import SUPPORTED_MODEL_TYPES, from_hf, gpt_oss_to_fused
 from ..op import fused_moe_op, workspace_id
@@ -59,7 +60,8 @@ PATCHABLE_BLOCKS = {
 
 _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
 _CACHE_ATTR = "_fusedmoe_converted"
-_WARNED_GRAD = [False]
+#: Parameters of a transformers experts module that the fused call reads (directly or converted).
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 # ---- experts interface --------------------------------------------------------------------------------------
@@ -145,12 +147,6 @@ def _expert_weights(experts: nn.Module):
     return cached[1]
 
 
-def _warn_grad(*tensors) -> None:
-    if not _WARNED_GRAD[0] and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        _WARNED_GRAD[0] = True
-        warnings.warn("fusedmoe is an inference path: its experts output carries no gradient", stacklevel=3)
-
-
 def fusedmoe_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
@@ -166,15 +162,14 @@ def fusedmoe_experts_forward(
     x = hidden_states
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
-    if not torch.compiler.is_compiling():
-        _warn_grad(hidden_states, w1)
-    with torch.no_grad():
-        if torch.compiler.is_compiling():
-            out = fused_moe_op(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
-                               backend=backend, w1_bias=b1, w2_bias=b2)
-        else:
-            out = fused_moe(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
-                            backend=backend, w1_bias=b1, w2_bias=b2)
+    forbid_gradients(f"{type(self).__name__} (experts_implementation='fusedmoe')", hidden_states=hidden_states,
+                     top_k_weights=top_k_weights, **{n: getattr(self, n, None) for n in _EXPERT_PARAMS})
+    if torch.compiler.is_compiling():
+        out = fused_moe_op(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
+                           backend=backend, w1_bias=b1, w2_bias=b2)
+    else:
+        out = fused_moe(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
+                        backend=backend, w1_bias=b1, w2_bias=b2)
     return out.to(hidden_states.dtype)
 
 
@@ -195,6 +190,9 @@ class FusedMoEBlock(nn.Module):
         self.model_type = model_type
         self.router_weight = router_weight
         self.__dict__["original"] = original  # not a submodule: kept for unpatch_model only
+        # the original's parameters (the weights fusedmoe reads, shared or converted): a forward that would need
+        # their gradient must fail rather than drop it
+        self.__dict__["grad_sources"] = dict(original.named_parameters()) if original is not None else {}
 
     def extra_repr(self) -> str:
         return f"model_type={self.model_type!r}"
@@ -205,10 +203,9 @@ class FusedMoEBlock(nn.Module):
         logits = None
         if self.router_weight is not None:
             logits = F.linear(x.float(), self.router_weight.float())
-        if not torch.compiler.is_compiling():
-            _warn_grad(hidden_states, self.moe.w1)
-        with torch.no_grad():
-            out = self.moe(x, logits).view(shape)
+        forbid_gradients(f"patched {self.model_type} MoE block", hidden_states=hidden_states,
+                         router_weight=self.router_weight, **self.__dict__["grad_sources"])
+        out = self.moe(x, logits).view(shape)
         return (out, None) if self.returns_tuple else out
 
 
