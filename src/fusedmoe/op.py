@@ -1,4 +1,6 @@
-"""The fused call as a registered torch op: ``torch.ops.fusedmoe.fused_moe`` (schema + fake implementation).
+"""Registered torch ops (schema + fake implementation): ``torch.ops.fusedmoe.fused_moe`` (the whole layer) and
+its public parts ``torch.ops.fusedmoe.route``, ``torch.ops.fusedmoe.moe_align`` and ``torch.ops.fusedmoe.moe_reduce``,
+so users can compose them and compile them (no graph break).
 
 Why two paths. A ``torch.library.custom_op`` costs host time on every call (its autograd and dispatch
 wrappers; ``fusedmoe bench`` measures both paths: the CPU table "call path host cost", and the GPU sweep's
@@ -18,12 +20,15 @@ captured call replays with new inputs (see tests/test_gpu_hf.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from .workspace.manager import MANAGERS, WorkspaceManager
 
-__all__ = ["OP_NAME", "fused_moe_op", "lookup_workspace", "workspace_id"]
+__all__ = ["OP_NAME", "fused_moe_op", "lookup_workspace", "moe_align_op", "moe_reduce_op", "route_op",
+           "workspace_id"]
 
 OP_NAME = "fusedmoe::fused_moe"
 
@@ -138,6 +143,10 @@ def fused_moe_op(
     ``quant`` may be a QuantConfig or a mode name. ``owner`` keys the arena with the ``per_layer`` strategy.
     Use it under ``torch.compile`` (FusedMoE does so automatically) or to measure the op's host cost.
     """
+    from .checks import forbid_gradients
+
+    forbid_gradients("fused_moe_op", hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
+                     w1_bias=w1_bias, w2_bias=w2_bias)
     if quant is not None and not isinstance(quant, str):
         if tuple(quant.block_shape) != (128, 128) and quant.mode == "fp8_block":
             raise ValueError("fused_moe_op supports fp8_block with the default 128x128 block shape only")
@@ -147,3 +156,134 @@ def fused_moe_op(
         -1 if global_num_experts is None else int(global_num_experts), expert_map, quant, w1_scale, w2_scale,
         a1_scale, a2_scale, backend, workspace_id(workspace), owner or "",
     )
+
+
+# ---- the parts: routing, alignment, top-k reduce -----------------------------------------------------------------
+def _triton_runs_on(t: Tensor) -> bool:
+    from .api import triton_available
+
+    return triton_available() and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@torch.library.custom_op("fusedmoe::route", mutates_args=())
+def _route_impl(
+    router_logits: Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    num_expert_groups: int = -1,
+    topk_groups: int = -1,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    from .routing import route
+
+    return route(router_logits, top_k, scoring=scoring, renormalize=renormalize,
+                 num_expert_groups=None if num_expert_groups < 0 else num_expert_groups,
+                 topk_groups=None if topk_groups < 0 else topk_groups, correction_bias=correction_bias,
+                 routed_scaling_factor=routed_scaling_factor)
+
+
+@_route_impl.register_fake
+def _route_fake(router_logits, top_k, scoring="softmax", renormalize=True, num_expert_groups=-1, topk_groups=-1,
+                correction_bias=None, routed_scaling_factor=1.0):
+    M = router_logits.shape[0]
+    return (router_logits.new_empty((M, top_k), dtype=torch.float32),
+            router_logits.new_empty((M, top_k), dtype=torch.int32))
+
+
+def route_op(router_logits: Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
+             num_expert_groups: int | None = None, topk_groups: int | None = None,
+             correction_bias: Tensor | None = None, routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """:func:`fusedmoe.route` as the registered op ``torch.ops.fusedmoe.route``: same arguments and results
+    (float32 ``[M, k]`` weights, int32 ``[M, k]`` ids)."""
+    from .routing import _validate
+
+    _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
+              routed_scaling_factor)
+    return torch.ops.fusedmoe.route(router_logits, top_k, scoring, renormalize,
+                                    -1 if num_expert_groups is None else num_expert_groups,
+                                    -1 if topk_groups is None else topk_groups, correction_bias,
+                                    float(routed_scaling_factor))
+
+
+def _align_sizes(n_slots, num_experts: int, block_m: int):
+    max_padded = n_slots + num_experts * (block_m - 1)
+    return max_padded, (max_padded + block_m - 1) // block_m
+
+
+@torch.library.custom_op("fusedmoe::moe_align", mutates_args=())
+def _align_impl(topk_ids: Tensor, num_experts: int, block_m: int, expert_map: Tensor | None = None,
+                global_num_experts: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+    from .ops.align import align_reference
+
+    gE = None if global_num_experts < 0 else global_num_experts
+    n = topk_ids.numel()
+    max_padded, _ = _align_sizes(n, num_experts, block_m)
+    # the tail past num_padded holds the sentinel (the fused path leaves it unwritten; a public op is
+    # deterministic in every element)
+    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=topk_ids.device)
+    if _triton_runs_on(topk_ids):
+        from .ops.align import moe_align
+
+        return moe_align(topk_ids, num_experts, block_m, expert_map=expert_map, global_num_experts=gE,
+                         sorted_ids=sorted_ids)
+    s, b, npad = align_reference(topk_ids, num_experts, block_m, expert_map=expert_map, global_num_experts=gE)
+    s = torch.where(s == -2, n, s)
+    return s.to(topk_ids.device), b.to(topk_ids.device), npad.to(topk_ids.device)
+
+
+@_align_impl.register_fake
+def _align_fake(topk_ids, num_experts, block_m, expert_map=None, global_num_experts=-1):
+    max_padded, max_blocks = _align_sizes(topk_ids.numel(), num_experts, block_m)
+    i32 = torch.int32
+    return (topk_ids.new_empty((max_padded,), dtype=i32), topk_ids.new_empty((max_blocks,), dtype=i32),
+            topk_ids.new_empty((1,), dtype=i32))
+
+
+def moe_align_op(topk_ids: Tensor, num_experts: int, block_m: int, *, expert_map: Tensor | None = None,
+                 global_num_experts: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Alignment as the registered op ``torch.ops.fusedmoe.moe_align``: ``(sorted_ids int32 [M*k + E*(block_m-1)],
+    block_expert int32 [cdiv(that, block_m)], num_padded int32 [1])`` as :func:`fusedmoe.ops.align.moe_align`
+    documents, except that entries of ``sorted_ids`` past ``num_padded`` hold the sentinel ``M*k`` too."""
+    if not isinstance(topk_ids, Tensor) or topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError("topk_ids must be an int32/int64 tensor [M, k]")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    return torch.ops.fusedmoe.moe_align(topk_ids, num_experts, block_m, expert_map,
+                                        -1 if global_num_experts is None else global_num_experts)
+
+
+@torch.library.custom_op("fusedmoe::moe_reduce", mutates_args=())
+def _reduce_impl(y: Tensor, topk_ids: Tensor, num_experts: int, out_dtype: torch.dtype,
+                 expert_map: Tensor | None = None, global_num_experts: int = -1) -> Tensor:
+    M, k = topk_ids.shape
+    gE = None if global_num_experts < 0 else global_num_experts
+    out = torch.empty((M, y.shape[1]), dtype=out_dtype, device=y.device)
+    if _triton_runs_on(y):
+        from .ops.reduce import moe_reduce
+
+        return moe_reduce(y, topk_ids.contiguous(), out, num_experts, expert_map=expert_map, global_num_experts=gE)
+    from .ops.align import local_expert_reference
+
+    local = local_expert_reference(topk_ids, num_experts, expert_map, gE) >= 0
+    rows = torch.where(local[..., None], y.view(M, k, -1).float(), 0.0)  # a select: unread rows never count
+    return out.copy_(rows.sum(dim=1))
+
+
+@_reduce_impl.register_fake
+def _reduce_fake(y, topk_ids, num_experts, out_dtype, expert_map=None, global_num_experts=-1):
+    return y.new_empty((topk_ids.shape[0], y.shape[1]), dtype=out_dtype)
+
+
+def moe_reduce_op(y: Tensor, topk_ids: Tensor, num_experts: int, *, out_dtype: torch.dtype | None = None,
+                  expert_map: Tensor | None = None, global_num_experts: int | None = None) -> Tensor:
+    """The top-k reduce as the registered op ``torch.ops.fusedmoe.moe_reduce``: ``out[t] = sum_j y[t*k + j]``
+    over the local slots of token t (float32 accumulation), a new ``[M, H]`` tensor in ``out_dtype``
+    (default ``y``'s); rows of non-local slots are never read."""
+    if y.dim() != 2 or topk_ids.dim() != 2 or y.shape[0] != topk_ids.numel():
+        raise ValueError(f"y must be [M*k, H] for topk_ids [M, k], got {list(y.shape)} and {list(topk_ids.shape)}")
+    return torch.ops.fusedmoe.moe_reduce(y, topk_ids, num_experts, out_dtype or y.dtype, expert_map,
+                                         -1 if global_num_experts is None else global_num_experts)
