@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", action="store_true", help="GPU: per-kernel device time (torch profiler)")
     bench.add_argument("--route", action="store_true", help="GPU: time route() alone (torch vs kernel shapes)")
     bench.add_argument("--align", action="store_true", help="GPU: time the alignment op alone")
+    bench.add_argument("--configs-before", default=None,
+                       help="folder of config tables for the 'triton_before' backend (before/after a re-tune)")
     bench.add_argument("--json", default=None, help="write every figure to this JSON file")
     bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")
 

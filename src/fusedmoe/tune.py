@@ -1,14 +1,21 @@
-"""``fusedmoe tune``: search GEMM block configs for one model preset on this GPU and write a config file.
+"""``fusedmoe tune``: search GEMM block configs for model presets on this GPU and write config files.
 
 What is timed is what users run: the whole fused call (alignment, both GEMMs, quantization, reduce) captured
-in a CUDA graph, 10 calls with their own routing per graph, median over replays — with one config pinned.
+in a CUDA graph, several calls with their own routing per graph, median over replays, with one config pinned.
 The search is a coordinate descent over a curated candidate list (Hopper-minded tiles, patterned on tuned
 H200 tables): for each M and each plausible BLOCK_M, GEMM1's tile is chosen with GEMM2's held at the
-heuristic, then GEMM2's with GEMM1's best; the fastest pair over the BLOCK_M options wins. A few dozen
-compilations per preset instead of thousands, so a preset tunes in a couple of minutes.
+heuristic, then GEMM2's with GEMM1's best; the fastest pair over the BLOCK_M options wins.
 
-The result is written as ``E=..,N=..,device_name=..[,dtype=fp8_w8a8][,block_shape=[128,128]].json`` with
-``gemm1``/``gemm2`` entries per M (the lookup takes the nearest M).
+Failures are reported, never hidden: every candidate that raises (or that the shared-memory estimate rules out)
+is printed with its reason, counted in the table's ``_source`` and listed under ``_failures``; when every
+candidate of one class (one GEMM at one BLOCK_M for one M) fails, tuning stops with an error and exit status 1
+instead of writing a table that silently holds the survivors.
+
+With ``--jobs N`` the kernels of every candidate are compiled first by N worker processes (Triton's on-disk
+cache then serves the timing process), which turns a preset's minutes of serial compilation into seconds.
+
+The result is written as ``E=..,N=..,device_name=..[,dtype=fp8_w8a8[,per_token|,block_shape=[..]]].json`` with
+``gemm1``/``gemm2`` entries per M.
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-DEFAULT_M = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+DEFAULT_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
 DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block")
-CALLS = 10
 
 # (block_n, block_k, group_m, num_warps, num_stages) per BLOCK_M; GEMM1 tiles cover gate and up (two
 # accumulators), so they are half as wide as GEMM2's for the same registers.
@@ -29,8 +37,8 @@ _GEMM1 = {
     16: [(32, 128, 1, 4, 4), (64, 128, 1, 4, 3), (16, 128, 1, 4, 4), (64, 64, 1, 4, 5), (32, 256, 1, 4, 3),
          (16, 256, 1, 4, 3), (128, 128, 1, 8, 3)],
     32: [(64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (64, 64, 8, 4, 4), (32, 128, 8, 4, 4)],
-    64: [(64, 64, 8, 4, 4), (128, 64, 8, 8, 3), (64, 128, 8, 4, 3), (128, 128, 8, 8, 3)],
-    128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 3)],
+    64: [(64, 64, 8, 4, 4), (128, 64, 8, 8, 3), (64, 128, 8, 4, 3), (128, 128, 8, 8, 2)],
+    128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 2)],
 }
 _GEMM2 = {
     16: [(64, 128, 1, 4, 4), (128, 128, 1, 4, 3), (32, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 64, 1, 4, 4),
@@ -41,15 +49,28 @@ _GEMM2 = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="fusedmoe tune", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", required=True, help="model preset (fusedmoe.presets)")
-    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
-    ap.add_argument("--out", default=None, help="output folder (default: the packaged fusedmoe/configs)")
-    ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="comma-separated token counts")
-    ap.add_argument("--quick", action="store_true", help="fewer candidates (first 3 per BLOCK_M)")
-    ap.add_argument("--seed", type=int, default=0)
-    return ap
+class TuneError(RuntimeError):
+    """A whole class of candidates failed: the search cannot tell good tiles from broken ones."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One candidate that did not produce a time: where, which tile, and why."""
+
+    M: int
+    gemm: str
+    block_m: int
+    config: dict
+    reason: str
+
+    def __str__(self) -> str:
+        return f"M={self.M} {self.gemm} BLOCK_M={self.block_m} {self.config}: {self.reason}"
+
+
+def failure_reason(err: BaseException) -> str:
+    """One line naming an exception: its type and the first line of its message."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
 
 
 def block_m_options(M: int, top_k: int, E: int) -> list[int]:
@@ -86,6 +107,234 @@ def candidates(table: dict, block_m: int, fp8: bool, n: int, k: int, bk_cap: int
     return out
 
 
+def tune_m(
+    M: int,
+    block_ms: Iterable[int],
+    gemm1_candidates: Callable[[int], list],
+    gemm2_candidates: Callable[[int], list],
+    gemm2_base: Callable[[int], object],
+    time_config: Callable[[object], float],
+    fits: Callable[[object, str], str | None],
+    failures: list[Failure],
+):
+    """Coordinate descent for one M; returns (best us, best MoEConfig).
+
+    ``time_config(cfg)`` times a MoEConfig (raising on failure); ``fits(gemm_config, "gemm1"|"gemm2")`` returns
+    why a tile cannot run (None if it can). Every failure is appended to ``failures``.
+
+    Raises:
+        TuneError: every candidate of one GEMM at one BLOCK_M failed.
+    """
+    from .ops.configs import MoEConfig
+
+    def score(cands, make, gemm, bm):
+        scored, lost = [], []
+        for g in cands:
+            why = fits(g, gemm)
+            if why is None:
+                try:
+                    scored.append((time_config(make(g)), g))
+                    continue
+                except Exception as err:  # noqa: BLE001 - every failure is recorded and reported
+                    why = failure_reason(err)
+            f = Failure(M, gemm, bm, g.to_dict(), why)
+            lost.append(f)
+            print(f"  failed: {f}", flush=True)
+        failures.extend(lost)
+        if not scored:
+            reasons = Counter(f.reason for f in lost)
+            raise TuneError(f"M={M}: all {len(lost)} {gemm} candidates with BLOCK_M={bm} failed: "
+                            + "; ".join(f"{n}x {r}" for r, n in reasons.most_common()))
+        return min(scored, key=lambda s: s[0])
+
+    best = None
+    for bm in block_ms:
+        g2 = gemm2_base(bm)
+        t1, g1 = score(gemm1_candidates(bm), lambda g, g2=g2: MoEConfig(g, g2), "gemm1", bm)
+        t2, g2b = score(gemm2_candidates(bm), lambda g, g1=g1: MoEConfig(g1, g), "gemm2", bm)
+        t, cfg = (t2, MoEConfig(g1, g2b)) if t2 <= t1 else (t1, MoEConfig(g1, g2))
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def describe_failures(failures: list[Failure]) -> str:
+    """'N candidates failed (k x reason, ...)' or 'no candidate failed'."""
+    if not failures:
+        return "no candidate failed"
+    reasons = Counter(f.reason for f in failures)
+    return f"{len(failures)} candidates failed (" + "; ".join(f"{n}x {r}" for r, n in reasons.most_common()) + ")"
+
+
+# ---- the GPU side ---------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fusedmoe tune", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", required=True,
+                    help="model preset(s), comma-separated, or 'all' (the presets whose tables we ship)")
+    ap.add_argument("--dtype", default="bf16", help=f"comma-separated of {DTYPES}, or 'all'")
+    ap.add_argument("--out", default=None, help="output folder (default: the packaged fusedmoe/configs)")
+    ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="comma-separated token counts")
+    ap.add_argument("--quick", action="store_true", help="fewer candidates (first 3 per BLOCK_M)")
+    ap.add_argument("--jobs", type=int, default=0, help="processes compiling every candidate first (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _calls_per_graph(M: int, top_k: int) -> tuple[int, int]:
+    """(calls per graph, replays): many short calls at decode, few long ones at prefill."""
+    slots = M * top_k
+    if slots <= 2048:
+        return 10, 10
+    if slots <= 16384:
+        return 4, 6
+    return 2, 4
+
+
+@dataclass(frozen=True)
+class Target:
+    """One table to tune: a preset's layer shape (E experts held on the GPU) and a dtype."""
+
+    preset: str
+    dtype: str
+    E: int
+    k: int
+    H: int
+    I: int
+
+    @classmethod
+    def of(cls, preset_name: str, dtype: str, max_experts: int | None = None) -> Target:
+        from .presets import get_preset
+
+        pr = get_preset(preset_name)
+        E = min(pr.experts_on_gpu, max_experts or pr.experts_on_gpu)
+        return cls(preset_name, dtype, E, min(pr.top_k, E), pr.hidden_size, pr.intermediate_size)
+
+    @property
+    def quant(self):
+        from .quant import QuantConfig
+
+        return None if self.dtype == "bf16" else QuantConfig.parse(self.dtype)
+
+    @property
+    def block_shape(self):
+        return self.quant.block_shape if self.dtype == "fp8_block" else None
+
+    def search_space(self, ms, quick: bool) -> dict[int, tuple[list[int], dict, dict]]:
+        """Per M: (BLOCK_M options, GEMM1 candidates per BLOCK_M, GEMM2 candidates per BLOCK_M)."""
+        fp8 = self.quant is not None
+        bk_cap = self.block_shape[1] if self.block_shape else None
+        space = {}
+        for M in ms:
+            bms = block_m_options(M, self.k, self.E)
+            c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick) for bm in bms}
+            c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick) for bm in bms}
+            space[M] = (bms, c1, c2)
+        return space
+
+
+class _Data:
+    """Weights of a target on the GPU and routed calls of the fused layer."""
+
+    def __init__(self, t: Target, seed: int):
+        import torch
+
+        from .quant import quantize_weights
+
+        dev = torch.device("cuda")
+        self.t = t
+        self.gen = g = torch.Generator(device=dev).manual_seed(seed)
+        w1 = torch.randn(t.E, 2 * t.I, t.H, device=dev, dtype=torch.bfloat16, generator=g) / t.H**0.5
+        w2 = torch.randn(t.E, t.H, t.I, device=dev, dtype=torch.bfloat16, generator=g) / t.I**0.5
+        self.extra = {}
+        q = t.quant
+        if q is not None:
+            w1, w2, s1, s2 = quantize_weights(w1, w2, q)
+            self.extra = dict(quant=q, w1_scale=s1, w2_scale=s2)
+        self.w1, self.w2 = w1, w2
+
+    def calls(self, M: int, n: int, manager):
+        import torch
+
+        from .api import fused_moe
+
+        t, dev = self.t, self.w1.device
+        x = torch.randn(M, t.H, device=dev, dtype=torch.bfloat16, generator=self.gen)
+        out = []
+        for _ in range(n):
+            ids = torch.rand(M, t.E, device=dev, generator=self.gen).argsort(dim=1)[:, : t.k].to(torch.int32)
+            w = torch.rand(M, t.k, device=dev, generator=self.gen)
+            out.append(lambda w=w, ids=ids: fused_moe(x, self.w1, self.w2, w, ids, workspace=manager,
+                                                       backend="triton", **self.extra))
+        return out
+
+
+#: Experts a compile worker holds (the GEMM kernels do not specialize on E; weights stay small).
+_WORKER_EXPERTS = 8
+
+
+def _compile_worker(task) -> tuple[int, list[str]]:
+    """Run each (M, config) of one target once, so every kernel lands in Triton's on-disk cache."""
+    t, seed, items = task
+    import torch
+
+    from .ops.configs import MoEConfig, pinned_config
+    from .workspace.manager import WorkspaceManager
+
+    data = _Data(t, seed)
+    manager = WorkspaceManager(torch.device("cuda"))
+    done, errors = 0, []
+    for M, cfg in items:
+        try:
+            with pinned_config(MoEConfig.from_dict(cfg)):
+                data.calls(M, 1, manager)[0]()
+            done += 1
+        except Exception as err:  # noqa: BLE001 - the timing pass reports it with its reason
+            errors.append(failure_reason(err))
+    torch.cuda.synchronize()
+    return done, errors
+
+
+def compile_chunks(targets: list[Target], ms, quick: bool, seed: int, fits, jobs: int) -> list[tuple]:
+    """Work for :func:`_compile_worker`: every candidate kernel of every target, about ``2 * jobs`` chunks.
+
+    A GEMM kernel depends on its own tile only, so pairing the i-th GEMM1 candidate with the i-th GEMM2 candidate
+    (cycling the shorter list) compiles them all in max(n1, n2) calls per BLOCK_M; one M per BLOCK_M suffices
+    (the kernels do not specialize on the token count). Workers hold a few experts only (same kernels)."""
+    from .ops.configs import MoEConfig
+
+    per_target = []
+    for t in targets:
+        todo: dict[str, tuple[int, dict]] = {}
+        for M, (bms, c1, c2) in t.search_space(ms, quick).items():
+            for bm in bms:
+                g1s = [g for g in c1[bm] if fits(t, g, "gemm1") is None]
+                g2s = [g for g in c2[bm] if fits(t, g, "gemm2") is None]
+                for i in range(max(len(g1s), len(g2s)) if g1s and g2s else 0):
+                    cfg = MoEConfig(g1s[i % len(g1s)], g2s[i % len(g2s)]).to_dict()
+                    todo.setdefault(str(cfg), (min(M, 64), cfg))
+        per_target.append((Target.of(t.preset, t.dtype, max_experts=_WORKER_EXPERTS), list(todo.values())))
+    total = max(1, sum(len(items) for _, items in per_target))
+    chunks = []
+    for small, items in per_target:
+        n = max(1, -(-len(items) * 2 * jobs // total))
+        per = max(1, -(-len(items) // n))
+        chunks += [(small, seed, items[i:i + per]) for i in range(0, len(items), per)]
+    return chunks
+
+
+def _precompile(jobs: int, chunks: list[tuple]) -> None:
+    """Run the chunks in ``jobs`` processes so every kernel lands in Triton's on-disk cache."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    done = errs = 0
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        for d, e in pool.imap_unordered(_compile_worker, chunks):
+            done, errs = done + d, errs + len(e)
+    print(f"precompiled {done} configs in {time.time() - t0:.0f}s with {jobs} processes ({errs} did not run; "
+          "the search reports them)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -93,94 +342,85 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # pragma: no cover
         print("fusedmoe tune: torch is not importable", file=sys.stderr)
         return 2
+    from .presets import CONFIG_PRESETS, get_preset
+
+    presets = list(CONFIG_PRESETS) if args.preset == "all" else [s for s in args.preset.split(",") if s]
+    dtypes = list(DTYPES) if args.dtype == "all" else [s for s in args.dtype.split(",") if s]
+    try:
+        for name in presets:
+            get_preset(name)
+        bad = [d for d in dtypes if d not in DTYPES]
+        if bad:
+            raise ValueError(f"unknown dtype(s) {bad}; choose from {DTYPES} or 'all'")
+        ms = sorted({int(m) for m in args.m.split(",") if m.strip()})
+    except ValueError as e:
+        print(f"fusedmoe tune: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("fusedmoe tune: needs a CUDA GPU (none is visible here); nothing was written", file=sys.stderr)
         return 2
 
-    from .api import fused_moe
     from .bench.timing import graph_time_us
+    from .experts.triton_experts import _smem_limit
     from .ops.configs import (
         PACKAGED_DIR,
-        MoEConfig,
         config_file_name,
         device_name,
         heuristic_config,
         pinned_config,
+        smem_bytes,
         table_to_json,
     )
-    from .presets import get_preset
-    from .quant import QuantConfig, quantize_weights
     from .workspace.manager import WorkspaceManager
 
-    try:
-        preset = get_preset(args.preset)
-    except ValueError as e:
-        print(f"fusedmoe tune: {e}", file=sys.stderr)
-        return 2
-    ms = sorted({int(m) for m in args.m.split(",") if m.strip()})
-    dev = torch.device("cuda")
-    E, k, H, I = preset.experts_on_gpu, preset.top_k, preset.hidden_size, preset.intermediate_size
-    quant = None if args.dtype == "bf16" else QuantConfig.parse(args.dtype)
-    mode = quant.mode if quant else None
-    block_shape = quant.block_shape if mode == "fp8_block" else None
-    bk_cap = block_shape[1] if block_shape else None
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    w1 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H**0.5
-    w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=gen) / I**0.5
-    extra = {}
-    if quant:
-        w1, w2, s1, s2 = quantize_weights(w1, w2, quant)
-        extra = dict(quant=quant, w1_scale=s1, w2_scale=s2)
-    manager = WorkspaceManager(dev)
+    limit = _smem_limit(torch.cuda.current_device())
 
-    table: dict[int, MoEConfig] = {}
-    t_start = time.time()
-    for M in ms:
-        x = torch.randn(M, H, device=dev, dtype=torch.bfloat16, generator=gen)
-        routings = []
-        for _ in range(CALLS):
-            ids = torch.rand(M, E, device=dev, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
-            routings.append((torch.rand(M, k, device=dev, generator=gen), ids))
-        calls = [
-            (lambda w=w, ids=ids, x=x: fused_moe(x, w1, w2, w, ids, workspace=manager, backend="triton", **extra))
-            for w, ids in routings
-        ]
+    def fits(t: Target, g, gemm: str) -> str | None:
+        need = smem_bytes(g, 1 if t.quant is not None else 2, gemm == "gemm1")  # bf16 or fp8 operands
+        return None if need <= limit else f"skipped: shared memory estimate {need} B > {limit} B"
 
-        def time_config(cfg: MoEConfig, calls=calls) -> float:
-            try:
-                with pinned_config(cfg):
-                    return graph_time_us(calls, warmup_replays=2, replays=10)
-            except Exception:  # out of shared memory / registers: not a candidate
-                return float("inf")
+    targets = [Target.of(name, dtype) for name in presets for dtype in dtypes]
+    if args.jobs > 0:
+        _precompile(args.jobs, compile_chunks(targets, ms, args.quick, args.seed, fits, args.jobs))
 
-        base = heuristic_config(M, E, H, I, k, mode, block_shape)
-        best: tuple[float, MoEConfig] | None = None
-        for bm in block_m_options(M, k, E):
-            g2 = replace(base.gemm2, block_m=bm)
-            scored = [(time_config(MoEConfig(g1, g2)), g1) for g1 in candidates(_GEMM1, bm, bool(quant), I, H,
-                                                                                 bk_cap, args.quick)]
-            t1, g1 = min(scored, key=lambda s: s[0])
-            scored = [(time_config(MoEConfig(g1, c)), c) for c in candidates(_GEMM2, bm, bool(quant), H, I,
-                                                                          bk_cap, args.quick)]
-            t2, g2 = min(scored + [(t1, g2)], key=lambda s: s[0])
-            if best is None or t2 < best[0]:
-                best = (t2, MoEConfig(g1, g2))
-        if best is None or best[0] == float("inf"):
-            print(f"M={M}: no config ran", file=sys.stderr)
-            continue
-        table[M] = best[1]
-        print(f"M={M:>6}: {best[0]:9.1f} us  {best[1].to_dict()}  ({time.time() - t_start:.0f}s)", flush=True)
-    if not table:
-        print("fusedmoe tune: nothing tuned", file=sys.stderr)
-        return 1
     out_dir = Path(args.out) if args.out else PACKAGED_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / config_file_name(E, I, device_name(), mode, block_shape)
-    source = (f"fusedmoe tune --preset {args.preset} --dtype {args.dtype} on {torch.cuda.get_device_name()} "
-              "(whole fused call, CUDA graph)")
-    path.write_text(table_to_json(table, source))
-    print(f"wrote {path}")
-    return 0
+    status = 0
+    for t in targets:
+        t_start = time.time()
+        data = _Data(t, args.seed)
+        manager = WorkspaceManager(torch.device("cuda"))
+        failures: list[Failure] = []
+        table = {}
+        mode = t.quant.mode if t.quant else None
+        print(f"== {t.preset} {t.dtype}: E={t.E} k={t.k} H={t.H} I={t.I}", flush=True)
+        try:
+            for M, (bms, c1, c2) in t.search_space(ms, args.quick).items():
+                n_calls, replays = _calls_per_graph(M, t.k)
+                calls = data.calls(M, n_calls, manager)
+                base = heuristic_config(M, t.E, t.H, t.I, t.k, mode, t.block_shape)
+
+                def time_config(cfg, calls=calls, replays=replays):
+                    with pinned_config(cfg):
+                        return graph_time_us(calls, warmup_replays=2, replays=replays)
+
+                best_t, cfg = tune_m(M, bms, c1.__getitem__, c2.__getitem__,
+                                     lambda bm, base=base: replace(base.gemm2, block_m=bm), time_config,
+                                     lambda g, gemm, t=t: fits(t, g, gemm), failures)
+                table[M] = cfg
+                print(f"M={M:>6}: {best_t:9.1f} us  {cfg.to_dict()}  ({time.time() - t_start:.0f}s)", flush=True)
+        except TuneError as e:
+            print(f"fusedmoe tune: {t.preset} {t.dtype}: {e}; no table written", file=sys.stderr, flush=True)
+            status = 1
+            continue
+        path = out_dir / config_file_name(t.E, t.I, device_name(), mode, t.block_shape)
+        source = (f"fusedmoe tune --preset {t.preset} --dtype {t.dtype} on {torch.cuda.get_device_name()} (whole "
+                  f"fused call, CUDA graph); {describe_failures(failures)}")
+        path.write_text(table_to_json(table, source, failures=[vars(f) for f in failures]))
+        print(f"wrote {path} ({describe_failures(failures)}, {time.time() - t_start:.0f}s)", flush=True)
+        del data
+        torch.cuda.empty_cache()
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,12 +10,15 @@ bf16 rate, whichever is larger), the achieved TB/s and TFLOP/s, and the speed-up
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..api import fused_moe
 from ..op import fused_moe_op
+from ..ops.configs import ENV_DIR
 from ..routing import route
 from ..workspace.manager import WorkspaceManager
 from . import floors, report, timing
@@ -125,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
             )
             continue
         for backend in backends:
-            fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager)
+            fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager,
+                            getattr(args, "configs_before", None))
             if fn is None:
                 continue
             calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
@@ -210,10 +214,37 @@ def _distinct_local(ids: torch.Tensor, expert_map) -> int:
     return int(torch.unique(flat).numel())
 
 
-def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager):
-    """A function of router logits that runs routing + one layer call on ``backend``; None if unavailable."""
+@contextlib.contextmanager
+def _config_dir(path: str):
+    """Look tuned configs up in ``path`` first for the duration (launches are keyed by it)."""
+    old = os.environ.get(ENV_DIR)
+    os.environ[ENV_DIR] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_DIR]
+        else:
+            os.environ[ENV_DIR] = old
+
+
+def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager, configs_before=None):
+    """A function of router logits that runs routing + one layer call on ``backend``; None if unavailable.
+
+    ``triton_before``: the Triton backend with the config tables of the folder ``configs_before`` (e.g. the
+    tables a re-tune replaced), to compare tables in one run."""
     routing = shape.routing
     k = shape.top_k
+    if backend == "triton_before":
+        if not configs_before:
+            return None
+        inner = _make_call("triton", shape, x, w1, w2, quantized, expert_map, manager)
+
+        def call(lg):
+            with _config_dir(configs_before):
+                return inner(lg)
+
+        return call
     if backend in ("triton", "triton_op", "torch"):
         if backend == "torch" and quantized:
             return None
