@@ -31,7 +31,15 @@ from fusedmoe.experts.base import Experts, ExpertsInputs
 from fusedmoe.experts.batched_triton_experts import BatchedTritonExperts
 from fusedmoe.experts.triton_experts import TritonExperts
 from fusedmoe.ops import decode
-from fusedmoe.ops.configs import ENV_DIR, MoEConfig, clear_cache, config_file_name, pinned_config, table_to_json
+from fusedmoe.ops.configs import (
+    ENV_DIR,
+    MoEConfig,
+    clear_cache,
+    config_file_name,
+    device_name,
+    pinned_config,
+    table_to_json,
+)
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.steps import Program, step
@@ -267,7 +275,7 @@ def test_config_folder_and_decode_switch_are_part_of_the_launch(tmp_path, monkey
     kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
     p = MoEProblem(2, 64, 32, 16, 16, 2, torch.float32, torch.float32)
     default = kernel.program(p)
-    (tmp_path / config_file_name(16, 32, "cpu")).write_text(
+    (tmp_path / config_file_name(16, 32, device_name())).write_text(
         table_to_json({1: MoEConfig.simple(64, 32, 32)}, "test"))
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     clear_cache()
