@@ -28,13 +28,16 @@ def environment() -> dict[str, object]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
-    try:
-        root = Path(__file__).resolve().parents[3]
-        info["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-        ).stdout.strip() or os.environ.get("FUSEDMOE_COMMIT")
-    except Exception:
-        info["commit"] = os.environ.get("FUSEDMOE_COMMIT")
+    # $FUSEDMOE_COMMIT first: a copied working tree (the GPU machine's) may carry a stale .git
+    info["commit"] = os.environ.get("FUSEDMOE_COMMIT")
+    if not info["commit"]:
+        try:
+            root = Path(__file__).resolve().parents[3]
+            info["commit"] = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+            ).stdout.strip() or None
+        except Exception:
+            info["commit"] = None
     return info
 
 
