@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 
 import torch
@@ -14,6 +14,23 @@ ACTIVATIONS = ("silu", "gelu", "swigluoai")
 #: "swigluoai" (gpt-oss): ``(clamp(up, -L, L) + 1) * g * sigmoid(ALPHA * g)`` with ``g = min(gate, L)``.
 SWIGLUOAI_ALPHA = 1.702
 SWIGLUOAI_LIMIT = 7.0
+
+
+def hash_once(self) -> int:
+    """``__hash__`` for frozen dataclasses used as per-call cache keys: the fields' hash, computed once per
+    object (assign it in the class body; a frozen dataclass would otherwise rehash every field each lookup)."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+def state_without_hash(self) -> dict:
+    """``__getstate__`` pairing :func:`hash_once`: string hashes differ between processes, so none travels."""
+    state = dict(self.__dict__)
+    state.pop("_hash", None)
+    return state
 
 
 class Layout(Enum):
@@ -56,6 +73,9 @@ class MoEProblem:
     quant: QuantConfig | None = None
     max_tokens_per_expert: int = 0
     has_bias: bool = False
+
+    __hash__ = hash_once  # the problem keys several caches on every call
+    __getstate__ = state_without_hash
 
     @property
     def slots(self) -> int:

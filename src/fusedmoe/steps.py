@@ -98,7 +98,7 @@ class Program:
             not a buffer, or the layout breaks the plan invariant.
     """
 
-    __slots__ = ("steps", "plan", "segments", "exports", "_args")
+    __slots__ = ("steps", "plan", "segments", "exports", "_calls")
 
     def __init__(self, prepare: Sequence[Step], experts: Sequence[Step], finalize: Sequence[Step],
                  buffers: Sequence[BufferSpec], exports: Collection[str] = ()):
@@ -129,19 +129,22 @@ class Program:
                 at.append(0)
             specs.append(spec.live(min(at), max(at)))
         self.plan = WorkspacePlan(tuple(specs), tuple(s.name for s in self.steps))
-        self._args = tuple(s.needs for s in self.steps)
+        # per segment: (step, its function, the buffer names it takes), prebuilt for the hot path
+        self._calls = tuple(tuple((self.steps[i], self.steps[i].fn, self.steps[i].needs) for i in seg)
+                            for seg in self.segments)
 
     def run(self, segment: int, c: Call, views: dict[str, torch.Tensor], arena: torch.Tensor | None = None) -> None:
         """Run one segment's steps (0 prepare, 1 experts, 2 finalize) with ``views`` of this program's plan.
 
         With an ``arena`` given, verify after every step that ``c.state`` holds no view of it.
         """
-        for i in self.segments[segment]:
-            self.steps[i].fn(c, *[views.get(n) for n in self._args[i]])
+        get = views.get
+        for s, fn, needs in self._calls[segment]:
+            fn(c, *[get(n) for n in needs])
             if arena is not None:
                 for key, value in c.state.items():
                     if isinstance(value, torch.Tensor) and _inside(value, arena):
-                        raise PlanError(f"step {self.steps[i].name!r} left an arena view in state[{key!r}]: "
+                        raise PlanError(f"step {s.name!r} left an arena view in state[{key!r}]: "
                                         "pass views between steps as named buffers")
 
     def check_exported(self, tensors: dict[str, torch.Tensor | None], views: dict[str, torch.Tensor],

@@ -23,7 +23,7 @@ from ..ops.batched_gemm import _ACTIVATIONS, batched_gemm1, batched_gemm2
 from ..ops.batched_quantize import batched_num_partials, batched_quantize
 from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
 from ..ops.quantize import scale_shape
-from ..problem import Layout, MoEProblem
+from ..problem import Layout, MoEProblem, hash_once, state_without_hash
 from ..quant import FP8_DTYPE
 from ..steps import step
 from ..workspace.plan import BufferSpec
@@ -40,6 +40,9 @@ class BatchedLaunch:
     static_scale: bool
     block_shape: tuple[int, int]
     ieee: bool
+
+    __hash__ = hash_once  # a per-call cache key (the program's)
+    __getstate__ = state_without_hash
 
 
 def _counts(c) -> torch.Tensor:

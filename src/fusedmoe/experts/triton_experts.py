@@ -28,7 +28,7 @@ from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
-from ..problem import ACTIVATIONS, Layout, MoEProblem
+from ..problem import ACTIVATIONS, Layout, MoEProblem, hash_once, state_without_hash
 from ..quant import FP8_DTYPE
 from ..steps import step
 from ..workspace.plan import BufferSpec
@@ -70,6 +70,9 @@ class TritonLaunch:
     block_shape: tuple[int, int]
     decode: bool
     ieee: bool  # float32 operands: IEEE fp32 dots instead of TF32
+
+    __hash__ = hash_once  # a per-call cache key (the program's)
+    __getstate__ = state_without_hash
 
     @property
     def group_k(self) -> int:
