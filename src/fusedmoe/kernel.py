@@ -109,17 +109,22 @@ class MoEKernel:
     ) -> torch.Tensor:
         hidden = x.hidden_states
         output = torch.empty((p.M, p.H), dtype=hidden.dtype, device=hidden.device)
-        ws = self.workspace(self.plan(p), x, manager, owner, workspace13, workspace2)
+        compiled = self.program(p)
+        ws = self.workspace(compiled[0].plan, x, manager, owner, workspace13, workspace2)
         if p.M == 0 and self.skip_empty:
             return output
-        self.run(x, p, ws, output, check=manager.poison)  # boundary checks ride along with poison runs
+        self._run(compiled, x, p, ws, output, manager.poison)  # boundary checks ride along with poison runs
         return output
 
     def run(self, x: ExpertsInputs, p: MoEProblem, ws: Workspace, output: torch.Tensor, *, check: bool = False) -> None:
         """Run the three segments of ``p``'s program on the views of ``ws`` (a workspace for ``self.plan(p)``),
         writing ``output`` [M, H]. With ``check`` and an arena behind ``ws``, verify that arena views cross
         component boundaries only inside exported buffers and never sit in a step context's ``state``."""
-        prog, inner, launch = self.program(p)
+        self._run(self.program(p), x, p, ws, output, check)
+
+    def _run(self, compiled, x: ExpertsInputs, p: MoEProblem, ws: Workspace, output: torch.Tensor,
+             check: bool) -> None:
+        prog, inner, launch = compiled
         views = ws.views
         arena = ws.arena if check else None
         pf = Call(p, None, x, output, self.prepare_finalize)
