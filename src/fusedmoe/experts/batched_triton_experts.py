@@ -21,14 +21,14 @@ import torch
 from ..ops import configs
 from ..ops.batched_gemm import _ACTIVATIONS, batched_gemm1, batched_gemm2
 from ..ops.batched_quantize import batched_num_partials, batched_quantize
-from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
+from ..ops.configs import MoEConfig
 from ..ops.quantize import scale_shape
 from ..problem import Layout, MoEProblem, hash_once, state_without_hash
 from ..quant import FP8_DTYPE
 from ..steps import step
 from ..workspace.plan import BufferSpec
 from .base import Experts
-from .triton_experts import TritonExperts, _smem_limit, _w_scale, operand_bytes
+from .triton_experts import TritonExperts, _w_scale, fitted_config
 
 
 @dataclass(frozen=True)
@@ -144,15 +144,9 @@ class BatchedTritonExperts(Experts):
         hit = self._launches.get(key)
         if hit is None:
             q = p.quant
-            mode = q.mode if q is not None else None
-            shape = q.block_shape if (q is not None and mode == "fp8_block") else None
             # A batched problem of T rows per expert behaves like a standard one of E*T/top_k tokens.
             m_lookup = max(1, p.E * p.max_tokens_per_expert // max(p.top_k, 1))
-            on_gpu = torch.cuda.is_available()
-            cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
-                             device=device_name() if on_gpu else "cpu")
-            limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
-            hit = BatchedLaunch(fit_smem(cfg, operand_bytes(p), limit), mode,
+            hit = BatchedLaunch(fitted_config(p, m_lookup), q.mode if q is not None else None,
                                 bool(q is not None and q.static_activation_scale),
                                 tuple(q.block_shape) if q is not None else (128, 128), ieee)
             if len(self._launches) > 4096:

@@ -79,21 +79,32 @@ class TritonLaunch:
         return self.block_shape[1]
 
 
-def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False, use_decode: bool = False,
-                smem_limit: int = configs.DEFAULT_SMEM) -> TritonLaunch:
-    """The launch of ``p`` with GEMM tiles from ``config`` (fitted to the element size and ``smem_limit``)."""
+def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
+    """The config of ``p`` as looked up for ``m_lookup`` tokens (pin, tuned table of this device, heuristic),
+    its tiles fitted to the element size and this device's shared memory."""
     q = p.quant
     mode = q.mode if q is not None else None
-    cfg = fit_smem(config, operand_bytes(p), smem_limit)
-    ap = align_params(p.slots, p.E, cfg.block_m)
+    shape = q.block_shape if (q is not None and mode == "fp8_block") else None
+    on_gpu = torch.cuda.is_available()
+    cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
+                     device=device_name() if on_gpu else "cpu")
+    limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
+    return fit_smem(cfg, operand_bytes(p), limit)
+
+
+def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False, use_decode: bool = False) -> TritonLaunch:
+    """The launch of ``p`` with the GEMM tiles of ``config`` (already fitted: :func:`fitted_config`)."""
+    q = p.quant
+    ap = align_params(p.slots, p.E, config.block_m)
     return TritonLaunch(
-        config=cfg,
+        config=config,
         align=ap,
         num_blocks=grid_blocks(p.slots, ap.max_blocks),
-        quant_mode=mode,
+        quant_mode=q.mode if q is not None else None,
         static_scale=bool(q is not None and q.static_activation_scale),
         block_shape=tuple(q.block_shape) if q is not None else (128, 128),
-        decode=use_decode and decode.decode_supported(p.slots, mode, p.activation, p.has_bias),
+        decode=use_decode and decode.decode_supported(p.slots, q.mode if q is not None else None, p.activation,
+                                                      p.has_bias),
         ieee=ieee and p.dtype == torch.float32,
     )
 
@@ -256,17 +267,10 @@ class TritonExperts(Experts):
         hit = self._launches.get(key)
         if hit is not None:
             return hit
-        q = p.quant
-        mode = q.mode if q is not None else None
-        shape = q.block_shape if (q is not None and mode == "fp8_block") else None
         # Configs are keyed by tokens for a layer holding all its experts. Under expert parallelism only
         # E/global_E of the slots land here, so look up the token count with the same rows per local expert.
         m_lookup = max(1, round(p.M * p.E / p.global_E)) if p.global_E > p.E else p.M
-        on_gpu = torch.cuda.is_available()
-        cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
-                         device=device_name() if on_gpu else "cpu")
-        limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
-        launch = make_launch(p, cfg, ieee=ieee, use_decode=decode.ENABLED, smem_limit=limit)
+        launch = make_launch(p, fitted_config(p, m_lookup), ieee=ieee, use_decode=decode.ENABLED)
         if len(self._launches) > 4096:
             self._launches.clear()
         self._launches[key] = launch
@@ -317,4 +321,4 @@ class TritonExperts(Experts):
         return [_align, _quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8, _reduce]
 
 
-__all__ = ["TritonExperts", "TritonLaunch", "make_launch"]
+__all__ = ["TritonExperts", "TritonLaunch", "fitted_config", "make_launch"]
