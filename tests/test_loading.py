@@ -11,7 +11,7 @@ from hf_tiny import ARCHS, tiny_model  # noqa: E402
 
 from fusedmoe import FusedMoE  # noqa: E402
 from fusedmoe.integrations import hf  # noqa: E402
-from fusedmoe.loading import (  # noqa: E402
+from fusedmoe.integrations.loading import (  # noqa: E402
     convert_hf_state_dict,
     fused_to_gpt_oss,
     gpt_oss_to_fused,

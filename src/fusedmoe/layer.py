@@ -247,7 +247,7 @@ class FusedMoE(nn.Module):
     @classmethod
     def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:
         """A FusedMoE from a transformers MoE block or experts module (see :func:`fusedmoe.loading.from_hf`)."""
-        from .loading import from_hf
+        from .integrations.loading import from_hf
 
         return from_hf(module, cls=cls, **kwargs)
 
@@ -255,7 +255,7 @@ class FusedMoE(nn.Module):
     def from_hf_state_dict(cls, state_dict, config, **kwargs) -> FusedMoE:
         """A FusedMoE from one MoE block's transformers state dict (fused or per-expert layout; see
         :func:`fusedmoe.loading.from_hf_state_dict`)."""
-        from .loading import from_hf_state_dict
+        from .integrations.loading import from_hf_state_dict
 
         return from_hf_state_dict(state_dict, config, cls=cls, **kwargs)
 

@@ -27,7 +27,7 @@ from torch import nn
 from ..api import fused_moe
 from ..checks import forbid_gradients
 from ..layer import FusedMoE
-from ..loading import SUPPORTED_MODEL_TYPES, from_hf, gpt_oss_to_fused
+from .loading import SUPPORTED_MODEL_TYPES, from_hf, gpt_oss_to_fused
 from ..op import fused_moe_op, workspace_id
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from ..workspace.manager import WorkspaceManager

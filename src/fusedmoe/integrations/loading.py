@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from .problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -239,7 +239,7 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor] | str | os.PathLik
     tensors'. Extra ``kwargs`` go to the FusedMoE constructor (``workspace``, ``backend``, ...).
     """
     if cls is None:
-        from .layer import FusedMoE as cls
+        from ..layer import FusedMoE as cls
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_safetensors(state_dict, prefix)
     sd = convert_hf_state_dict(state_dict, config, prefix)
@@ -273,7 +273,7 @@ def from_hf(module: nn.Module, *, cls=None, config=None, share_weights: bool = T
     and the concatenated shared-expert gate/up); otherwise copy. Extra ``kwargs`` go to the constructor.
     """
     if cls is None:
-        from .layer import FusedMoE as cls
+        from ..layer import FusedMoE as cls
     config = config or _module_config(module)
     experts = getattr(module, "experts", module)
     if getattr(experts, "has_post_expert_norm", False) or not getattr(experts, "has_gate", True):
