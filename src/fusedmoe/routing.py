@@ -103,12 +103,6 @@ def _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, top
                 "topk_groups must be an int with 1 <= topk_groups <= num_expert_groups = "
                 f"{num_expert_groups}, got {topk_groups!r}"
             )
-        kept = topk_groups * (E // num_expert_groups)
-        if top_k > kept:
-            raise ValueError(
-                f"top_k = {top_k} exceeds the {kept} experts left by topk_groups = {topk_groups} of "
-                f"num_expert_groups = {num_expert_groups} (E = {E})"
-            )
 
     if correction_bias is not None:
         if scoring == "softmax_topk":
@@ -141,6 +135,21 @@ def _fused_kernel_supports(E: int, top_k: int, num_expert_groups: int | None) ->
     return kernel_supports(E, top_k, num_expert_groups)
 
 
+def _fill_from_dropped(scores: Tensor, choice: Tensor, top_k: int, *, weights_from_choice: bool):
+    """Top-k when ``top_k`` exceeds the experts of the kept groups, as transformers' DeepSeek routers do it.
+
+    ``choice`` holds the dropped groups' experts at one fill value (-inf, or 0.0 for group_limited_greedy), so
+    the last slots go to some of them: whichever ``torch.topk(..., sorted=False)`` returns among the tied fills,
+    the very call transformers makes, so both pick the same experts. Their weight is their choice value (0.0)
+    when ``weights_from_choice`` (group_limited_greedy takes its weights from the masked scores), else their
+    score. Slots are then ordered by descending choice value, ties in topk's order."""
+    values, ids = torch.topk(choice, top_k, dim=-1, sorted=False)
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(1, order)
+    weights = values.gather(1, order) if weights_from_choice else scores.gather(1, ids)
+    return weights, ids
+
+
 def route(
     router_logits: Tensor,
     top_k: int,
@@ -170,7 +179,12 @@ def route(
                 group's 2 best (biased) scores (its single score if the group holds one expert);
               * ``"group_limited_greedy"`` (scoring="softmax" without ``correction_bias``): the group's best
                 score.
-            Requires ``G | E``, ``1 <= topk_groups <= G`` and ``top_k <= topk_groups * (E // G)``.
+            Requires ``G | E`` and ``1 <= topk_groups <= G``. When ``top_k`` exceeds the ``topk_groups * (E // G)``
+            experts of the kept groups, the remaining slots go to experts of the dropped groups, exactly as
+            transformers' DeepSeek routers fill them: with noaux_tc the dropped experts tie at ``-inf`` and those
+            ``torch.topk`` returns first are taken with their (unbiased) scores as weights; with
+            group_limited_greedy they tie at score 0.0 and are taken with weight 0. (This case runs the torch
+            code below on every device.)
         correction_bias: ``[E]`` float tensor on the logits' device, added to the scores ONLY to rank groups
             and choose experts; the weights are always the unbiased scores of the chosen experts.
         routed_scaling_factor: positive finite number multiplied into the final weights (every mode).
@@ -194,14 +208,16 @@ def route(
     """
     _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
               routed_scaling_factor)
-    if router_logits.is_cuda and _fused_kernel_supports(router_logits.shape[1], top_k, num_expert_groups):
+    E = router_logits.shape[1]
+    fills_from_dropped = num_expert_groups is not None and top_k > topk_groups * (E // num_expert_groups)
+    if router_logits.is_cuda and not fills_from_dropped and _fused_kernel_supports(E, top_k, num_expert_groups):
         from .ops.routing import route_fused
 
         return route_fused(router_logits, top_k, scoring=scoring, renormalize=renormalize,
                            num_expert_groups=num_expert_groups, topk_groups=topk_groups,
                            correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor)
     logits = torch.nan_to_num(router_logits.float(), nan=_NEG_INF, posinf=_FLOAT_MAX, neginf=_NEG_INF)
-    M, E = logits.shape
+    M = logits.shape[0]
     dead = logits.amax(dim=-1, keepdim=True) == _NEG_INF  # rows with nothing to choose (see module docs)
     logits = logits.masked_fill(dead, 0.0)  # any finite row: ranks tie, the weights are replaced below
 
@@ -211,18 +227,22 @@ def route(
     else:
         scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
         choice = scores if correction_bias is None else scores + correction_bias.float()
+        noaux = scoring == "sigmoid" or correction_bias is not None
         if num_expert_groups is not None and topk_groups < num_expert_groups:
             group_size = E // num_expert_groups
             grouped = choice.view(M, num_expert_groups, group_size)
-            if scoring == "sigmoid" or correction_bias is not None:  # noaux_tc
+            if noaux:  # noaux_tc
                 group_rank = grouped.topk(min(2, group_size), dim=-1).values.sum(dim=-1)
             else:  # group_limited_greedy
                 group_rank = grouped.amax(dim=-1)
             group_idx = torch.topk(group_rank, topk_groups, dim=-1, sorted=False).indices
             dropped = torch.ones(M, num_expert_groups, dtype=torch.bool, device=logits.device)
             dropped.scatter_(1, group_idx, False)
-            choice = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(M, E)
-        if choice is scores:
+            fill = 0.0 if fills_from_dropped and not noaux else _NEG_INF
+            choice = grouped.masked_fill(dropped.unsqueeze(-1), fill).view(M, E)
+        if fills_from_dropped:
+            topk_weights, topk_ids = _fill_from_dropped(scores, choice, top_k, weights_from_choice=not noaux)
+        elif choice is scores:
             topk_weights, topk_ids = torch.topk(scores, top_k, dim=-1)
         else:
             topk_ids = torch.topk(choice, top_k, dim=-1).indices
