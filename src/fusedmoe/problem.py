@@ -9,7 +9,7 @@ import torch
 
 from .quant import QuantConfig
 
-ACTIVATIONS = ("silu", "gelu", "swigluoai")
+ACTIVATIONS = ("silu", "gelu", "swigluoai", "gelu_exact")
 
 #: "swigluoai" (gpt-oss): ``(clamp(up, -L, L) + 1) * g * sigmoid(ALPHA * g)`` with ``g = min(gate, L)``.
 SWIGLUOAI_ALPHA = 1.702
@@ -49,8 +49,8 @@ class MoEProblem:
         E: experts held locally (w1.shape[0]). global_E: experts of the whole model (ids range over it).
         top_k: experts per token. dtype: activation dtype (= hidden_states.dtype, = output dtype).
         weight_dtype: w1/w2 dtype (fp8 when quantized).
-        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "swigluoai" (gpt-oss's clamped
-            SwiGLU, see SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation), "swigluoai" (gpt-oss's clamped
+            SwiGLU, see SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT) or "gelu_exact" (GeGLU with the exact, erf GELU).
         apply_router_weight_on_input: scale the input rows instead of the expert outputs.
         has_expert_map: an expert_map translates global ids to local ones (-1 = not on this rank).
         quant: fp8 settings or None.

@@ -14,8 +14,9 @@ from .quant import QuantConfig
 
 
 def activation_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """[rows, 2I] -> [rows, I]: silu(gate) * up (SwiGLU), gelu_tanh(gate) * up (GeGLU) or gpt-oss's clamped
-    SwiGLU ``g * sigmoid(1.702 g) * (u + 1)`` with ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)`` ("swigluoai").
+    """[rows, 2I] -> [rows, I]: silu(gate) * up (SwiGLU), gelu_tanh(gate) * up (GeGLU, "gelu"), gpt-oss's clamped
+    SwiGLU ``g * sigmoid(1.702 g) * (u + 1)`` with ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)`` ("swigluoai") or
+    ``0.5 g (1 + erf(g / sqrt(2))) * up`` (GeGLU with the exact GELU, "gelu_exact").
     """
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
@@ -28,7 +29,9 @@ def activation_reference(gate_up: torch.Tensor, activation: str) -> torch.Tensor
         g = gate.clamp(max=SWIGLUOAI_LIMIT)
         u = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
         return g * torch.sigmoid(SWIGLUOAI_ALPHA * g) * (u + 1.0)
-    raise ValueError(f"activation must be 'silu', 'gelu' or 'swigluoai', got {activation!r}")
+    if activation == "gelu_exact":
+        return 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0))) * up
+    raise ValueError(f"activation must be 'silu', 'gelu', 'swigluoai' or 'gelu_exact', got {activation!r}")
 
 
 def fused_moe_reference(

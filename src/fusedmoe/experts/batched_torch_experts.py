@@ -59,7 +59,7 @@ class BatchedTorchExperts(Experts):
     def supports(self, p: MoEProblem) -> str | None:
         if p.has_bias:
             return "the batched torch experts do not implement expert biases"
-        if p.activation not in ("silu", "gelu", "swigluoai"):
+        if p.activation not in ("silu", "gelu", "swigluoai", "gelu_exact"):
             return f"activation {p.activation!r} is not supported"
         if p.quant is not None:
             return "the torch batched experts do not implement fp8 quantization; use BatchedTritonExperts"

@@ -68,6 +68,8 @@ def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.T
         torch.ops.aten.silu.out(gate, out=out)
     elif activation == "gelu":
         torch.ops.aten.gelu.out(gate, approximate="tanh", out=out)
+    elif activation == "gelu_exact":
+        torch.ops.aten.gelu.out(gate, approximate="none", out=out)
     else:  # swigluoai: g * sigmoid(alpha g) * (u + 1), g = min(gate, L), u = clamp(up, -L, L)
         gate.clamp_(max=SWIGLUOAI_LIMIT)
         up.clamp_(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT).add_(1.0)

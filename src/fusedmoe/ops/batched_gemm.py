@@ -26,7 +26,7 @@ from .configs import GemmConfig
 from .grouped_gemm import _activate, _mma, _scale_strides
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
-_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}  # codes of grouped_gemm._activate
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}  # codes of grouped_gemm._activate
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from ._util import cdiv
 from .configs import GemmConfig
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
-_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}
 # gpt-oss's clamped SwiGLU (fusedmoe.problem.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)
 _SWIGLUOAI_ALPHA = tl.constexpr(1.702)
 _SWIGLUOAI_LIMIT = tl.constexpr(7.0)
@@ -61,6 +61,8 @@ def _activate(gate, up, ACTIVATION: tl.constexpr):
         g = tl.minimum(gate, _SWIGLUOAI_LIMIT)
         u = tl.minimum(tl.maximum(up, -_SWIGLUOAI_LIMIT), _SWIGLUOAI_LIMIT)
         return g * tl.sigmoid(_SWIGLUOAI_ALPHA * g) * (u + 1.0)
+    if ACTIVATION == 3:  # gelu_exact: 0.5 g (1 + erf(g / sqrt(2))) * u
+        return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
     # gelu_tanh(g) * u, using 0.5 * (1 + tanh(z)) == sigmoid(2z)
     z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
     return gate * tl.sigmoid(2.0 * z) * up
