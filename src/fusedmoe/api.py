@@ -6,12 +6,13 @@ import os
 
 import torch
 
-from .checks import check_fused_moe_args, forbid_gradients
+from .checks import check_fused_moe_args, check_level, forbid_gradients
 from .experts.base import Experts, ExpertsInputs
 from .experts.torch_experts import TorchExperts
 from .kernel import MoEKernel
 from .prepare_finalize.local import LocalPrepareFinalize
 from .problem import MoEProblem
+from .signature import input_signature
 from .workspace.manager import WorkspaceManager, default_manager
 
 BACKENDS = ("auto", "torch", "triton")
@@ -121,40 +122,57 @@ def fused_moe(
     Returns:
         A new tensor [M, H] in hidden_states' dtype (never a view of the workspace).
     """
-    p = check_fused_moe_args(
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation=activation,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        expert_map=expert_map,
-        global_num_experts=global_num_experts,
-        quant=quant,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
-        a1_scale=a1_scale,
-        a2_scale=a2_scale,
-        checks=checks,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-    )
-    x = ExpertsInputs(
-        hidden_states=hidden_states,
-        w1=w1,
-        w2=w2,
-        topk_weights=topk_weights,
-        topk_ids=topk_ids,
-        expert_map=expert_map,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
-        a1_scale=a1_scale,
-        a2_scale=a2_scale,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-    )
-    return run_problem(x, p, backend=backend, workspace=workspace, workspace13=workspace13, workspace2=workspace2)
+    tensors = (hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale, a2_scale,
+               w1_bias, w2_bias)
+    level = check_level(checks)
+    sig = key = None
+    if level == "basic" and workspace13 is None and workspace2 is None:
+        sig = input_signature(*tensors)
+        if sig is not None:
+            key = (sig, activation, apply_router_weight_on_input, global_num_experts, quant, backend, workspace)
+            try:
+                verdict = _VERDICTS.get(key)
+            except TypeError:  # an unhashable argument: the full validation below names it
+                verdict = key = None
+            if verdict is not None:
+                p, kernel, manager = verdict
+                if torch.is_grad_enabled():
+                    _forbid_gradients(*tensors)
+                return kernel(ExpertsInputs(*tensors[:6], None, *tensors[6:]), p, manager=manager, layout_key=sig)
+    p = check_fused_moe_args(*tensors[:5], activation=activation,
+                             apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
+                             global_num_experts=global_num_experts, quant=quant, w1_scale=w1_scale, w2_scale=w2_scale,
+                             a1_scale=a1_scale, a2_scale=a2_scale, checks=level, w1_bias=w1_bias, w2_bias=w2_bias)
+    _forbid_gradients(*tensors)
+    kernel, manager = resolve(p, hidden_states.device, backend, workspace)
+    if key is not None:
+        if len(_VERDICTS) > 4096:  # bounded under shape churn
+            _VERDICTS.clear()
+        _VERDICTS[key] = (p, kernel, manager)
+    x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
+    return kernel(x, p, manager=manager, workspace13=workspace13, workspace2=workspace2, layout_key=sig)
+
+
+#: fused_moe's validation verdicts by (input signature, settings): the problem, kernel and manager to run.
+_VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, WorkspaceManager]] = {}
+
+
+def _forbid_gradients(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale,
+                      a2_scale, w1_bias, w2_bias) -> None:
+    forbid_gradients("fused_moe", hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
+                     w1_bias=w1_bias, w2_bias=w2_bias, w1_scale=w1_scale, w2_scale=w2_scale)
+
+
+def resolve(p: MoEProblem, device: torch.device, backend: str, workspace: WorkspaceManager | None,
+            ) -> tuple[MoEKernel, WorkspaceManager]:
+    """The kernel and the workspace manager that run a validated problem ``p`` on ``device``.
+
+    Raises ValueError when the backend cannot run ``p`` or the manager serves another device."""
+    kernel = get_kernel(resolve_backend(backend, device))
+    reason = kernel.unsupported(p)
+    if reason is not None:
+        raise ValueError(f"backend {kernel.experts.name!r} cannot run this problem: {reason}")
+    return kernel, _manager_for(workspace, device)
 
 
 def run_problem(
@@ -172,10 +190,5 @@ def run_problem(
     Raises GradientNotSupportedError when autograd would need a gradient of the result."""
     forbid_gradients("fused_moe", hidden_states=x.hidden_states, w1=x.w1, w2=x.w2, topk_weights=x.topk_weights,
                      w1_bias=x.w1_bias, w2_bias=x.w2_bias, w1_scale=x.w1_scale, w2_scale=x.w2_scale)
-    device = x.hidden_states.device
-    kernel = get_kernel(resolve_backend(backend, device))
-    reason = kernel.unsupported(p)
-    if reason is not None:
-        raise ValueError(f"backend {kernel.experts.name!r} cannot run this problem: {reason}")
-    manager = _manager_for(workspace, device)
+    kernel, manager = resolve(p, x.hidden_states.device, backend, workspace)
     return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)

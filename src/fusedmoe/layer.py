@@ -9,13 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .api import get_kernel, resolve_backend, run_problem
+from .api import get_kernel, resolve, resolve_backend
 from .checks import check_activation, forbid_gradients, positive_int
 from .experts.base import ExpertsInputs
+from .ops import launcher
+from .ops.launcher import UNSEEN, Replays
 from .problem import MoEProblem
 from .reference import activation_reference
-from .routing import route
-from .workspace.manager import WorkspaceManager, default_manager
+from .routing import _fused_kernel_supports, route
+from .signature import input_signature
+from .workspace.manager import WorkspaceManager, current_stream, default_manager
 from .workspace.plan import WorkspacePlan
 
 _LAYER_IDS = itertools.count()
@@ -97,6 +100,7 @@ class FusedMoE(nn.Module):
         self.backend = backend
         self.workspace = workspace
         self.owner_key = f"FusedMoE#{next(_LAYER_IDS)}"  # per_layer arena key (no reference to self)
+        self._verdicts: dict[tuple, tuple] = {}  # see forward
         factory = {"dtype": dtype, "device": device}
         # Expert parallelism (ep_group) / batched layout: see fusedmoe.distributed.LayerParallel. Rank r of W
         # keeps experts [r*E/W, (r+1)*E/W); expert_map: global id -> local id, -1 elsewhere (None without EP).
@@ -198,6 +202,88 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        if self._parallel is None and not torch.compiler.is_compiling():
+            verdict, sig = self._verdict(hidden_states, router_logits)
+            if verdict is not None:
+                return self._run_validated(verdict, sig, hidden_states, router_logits)
+        return self._forward_checked(hidden_states, router_logits)
+
+    # The eager hot path. A forward's validation verdict (problem, kernel, manager, router) depends only on the
+    # input signature of its tensors and the layer's settings, so it is computed once per signature
+    # (:meth:`_forward_checked`) and reused; the kernel then replays its recorded launches.
+    def _key(self, hidden_states, router_logits):
+        P, B = self._parameters, self._buffers
+        sig = input_signature(hidden_states, router_logits, P["w1"], P["w2"], P["gate"], P["gate_bias"],
+                              P["w1_bias"], P["w2_bias"], B.get("e_score_correction_bias"), B.get("expert_map"))
+        if sig is None:
+            return None, None
+        return (sig, self.activation, self.apply_router_weight_on_input, self.backend, self.workspace,
+                *self.routing.values()), sig
+
+    def _verdict(self, hidden_states, router_logits):
+        key, sig = self._key(hidden_states, router_logits)
+        if key is None:
+            return None, None
+        try:
+            return self._verdicts.get(key), sig
+        except TypeError:  # unhashable settings: the checked path reports them
+            return None, None
+
+    def _run_validated(self, verdict, sig, hidden_states, router_logits) -> torch.Tensor:
+        p, kernel, manager, router = verdict
+        P = self._parameters
+        if torch.is_grad_enabled():
+            self._forbid_gradients(hidden_states, router_logits)
+        x = hidden_states.reshape(p.M, p.H)
+        if router_logits is None:
+            router_logits = F.linear(x, P["gate"], P["gate_bias"])
+        topk_weights, topk_ids = router(router_logits.reshape(p.M, self.num_experts),
+                                        self._buffers.get("e_score_correction_bias"))
+        inputs = ExpertsInputs(x, P["w1"], P["w2"], topk_weights, topk_ids, w1_bias=P["w1_bias"],
+                               w2_bias=P["w2_bias"])
+        out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
+        if self.num_shared_experts:
+            out = out + self.shared_experts(x)
+        return out.view(hidden_states.shape)
+
+    def _router(self, example: torch.Tensor):
+        """A function ``(logits [M, E], correction bias) -> (topk_weights, topk_ids)`` for calls whose logits look
+        like ``example``:
+        on CUDA, when the fused routing kernel serves these settings, its launch recorded once and replayed
+        (see :mod:`fusedmoe.ops.launcher`); :meth:`route`'s :func:`~fusedmoe.routing.route` otherwise."""
+        E, k, R = self.num_experts, self.top_k, self.routing
+        groups, kept_groups = R["num_expert_groups"], R["topk_groups"]
+        if not (example.is_cuda and _fused_kernel_supports(E, k, groups)
+                and (groups is None or k <= kept_groups * (E // groups))):
+            return lambda logits, bias: self.route(logits, router_logits=logits)
+        from .ops.routing import route_fused
+
+        replays = Replays(limit=64)
+
+        def router(logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            M = logits.shape[0]
+            weights = torch.empty((M, k), dtype=torch.float32, device=logits.device)
+            ids = torch.empty((M, k), dtype=torch.int32, device=logits.device)
+            key = input_signature(logits, bias)
+            roots = (logits, bias, weights, ids)
+            trace = replays.get(key) if launcher.ENABLED else None
+            if trace is UNSEEN:
+                replays.record(key, lambda: route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids,
+                                                        **R), roots, None)
+            elif trace is None:
+                route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids, **R)
+            else:
+                trace(roots, None, current_stream(logits.device.index))
+            return weights, ids
+
+        return router
+
+    def _forbid_gradients(self, x, router_logits) -> None:
+        forbid_gradients("FusedMoE", hidden_states=x, router_logits=router_logits, w1=self.w1, w2=self.w2,
+                         gate=self.gate if router_logits is None else None, gate_bias=self.gate_bias,
+                         w1_bias=self.w1_bias, w2_bias=self.w2_bias)
+
+    def _forward_checked(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.shape[-1] != self.hidden_size:
@@ -222,9 +308,7 @@ class FusedMoE(nn.Module):
             raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
-        forbid_gradients("FusedMoE", hidden_states=x, router_logits=router_logits, w1=self.w1, w2=self.w2,
-                         gate=self.gate if router_logits is None else None, gate_bias=self.gate_bias,
-                         w1_bias=self.w1_bias, w2_bias=self.w2_bias)
+        self._forbid_gradients(x, router_logits)
         topk_weights, topk_ids = self.route(x, router_logits)
         if self._parallel is not None:  # expert parallelism or the batched layout (fusedmoe.distributed)
             out = self._parallel.forward(self, x, topk_weights, topk_ids)
@@ -237,9 +321,16 @@ class FusedMoE(nn.Module):
                                w2_bias=self.w2_bias, owner=self.owner_key)
         else:
             p = self.problem(x.shape[0], x.dtype)
+            kernel, manager = resolve(p, x.device, self.backend, self.workspace)
             inputs = ExpertsInputs(x, self.w1, self.w2, topk_weights, topk_ids, w1_bias=self.w1_bias,
                                    w2_bias=self.w2_bias)
-            out = run_problem(inputs, p, backend=self.backend, workspace=self.workspace, owner=self.owner_key)
+            key, sig = self._key(hidden_states, router_logits)
+            out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
+            if key is not None:
+                if len(self._verdicts) > 1024:  # bounded under shape churn
+                    self._verdicts.clear()
+                self._verdicts[key] = (p, kernel, manager, self._router(router_logits if router_logits is not None
+                                                                        else x))
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(shape)

@@ -55,6 +55,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._util import cdiv, next_pow2
+from .launcher import launch
 
 #: Up to this many slots: one single-program launch with [S, S] slot-pair reductions (S <= 64 keeps them cheap).
 PAIRS_MAX_SLOTS = int(os.environ.get("FUSEDMOE_ALIGN_PAIRS_MAX", "64"))
@@ -353,7 +354,7 @@ def moe_align(
     pw = min(next_pow2(block_m), 64)
     if p.mode == "pairs":
         bb = min(next_pow2(p.max_blocks), _TILE)
-        _align_pairs[(1,)](topk_ids, map_arg, sorted_ids, block_expert, num_padded, n, global_num_experts,
+        launch(_align_pairs, (1,), topk_ids, map_arg, sorted_ids, block_expert, num_padded, n, global_num_experts,
                            num_experts, p.max_blocks, HAS_MAP=has_map, S=p.sub, BLOCK_M=block_m,
                            PW=min(pw, max(1, _TILE // p.sub)), BB=bb, num_warps=p.num_warps)
         return sorted_ids, block_expert, num_padded
@@ -362,14 +363,14 @@ def moe_align(
     if p.mode == "two":
         partial = buf(partial, p.partial_shape)
         pdl = _use_pdl(dev)
-        _align_count[(p.n_prog,)](topk_ids, map_arg, partial, n, global_num_experts, num_experts, p.span,
+        launch(_align_count, (p.n_prog,), topk_ids, map_arg, partial, n, global_num_experts, num_experts, p.span,
                                   HAS_MAP=has_map, SUB=p.sub, E_PAD=p.e_pad, PDL=pdl, num_warps=4)
     else:
         partial = sorted_ids  # unused
     ec = min(next_pow2(cdiv(num_experts, p.n_prog)), max(1, _TILE // pw))
     bb = min(next_pow2(cdiv(p.max_blocks, p.n_prog)), _TILE)
     rows = min(next_pow2(p.n_prog), max(1, 8192 // p.e_pad))
-    _align_scatter[(p.n_prog,)](
+    launch(_align_scatter, (p.n_prog,),
         topk_ids, map_arg, partial, sorted_ids, block_expert, num_padded,
         n, global_num_experts, num_experts, p.span, p.n_prog, p.max_blocks,
         HAS_MAP=has_map, SINGLE=p.mode == "single", N_ALL=next_pow2(n), SUB=p.sub, E_PAD=p.e_pad,

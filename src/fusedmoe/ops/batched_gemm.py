@@ -24,6 +24,7 @@ import triton.language as tl
 from ._util import cdiv
 from .configs import GemmConfig
 from .grouped_gemm import _activate, _mma, _scale_strides
+from .launcher import launch
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}  # codes of grouped_gemm._activate
@@ -152,7 +153,7 @@ def _launch(a, w, out, counts, N, K, gated, activation, config, quant_mode, a_sc
     if E == 0 or T == 0 or N == 0:
         return out
     grid = (E * cdiv(T, config.block_m) * cdiv(N, config.block_n),)
-    _batched_gemm[grid](
+    launch(_batched_gemm, grid,
         a, w, out, counts,
         a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,
         T, N, K,

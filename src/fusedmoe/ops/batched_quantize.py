@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ..quant import FP8_DTYPE
 from ._util import cdiv, next_pow2
+from .launcher import launch
 from .quantize import _fp8_scale, _to_fp8, scale_shape
 
 _MODES = {"fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
@@ -142,10 +143,10 @@ def batched_quantize(
     if dynamic:
         if partial is None or partial.numel() < n_part:
             raise ValueError(f"dynamic fp8_tensor needs a float32 partial buffer of {n_part} entries")
-        _batched_absmax_partial[(n_part,)](x, expert_num_tokens, partial, T, K, C, cdiv(T, C), x.stride(0),
+        launch(_batched_absmax_partial, (n_part,), x, expert_num_tokens, partial, T, K, C, cdiv(T, C), x.stride(0),
                                            BLOCK_R=4, BLOCK_K=min(block_k, 256), num_warps=4)
     sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
-    _batched_quant_rows[(R,)](
+    launch(_batched_quant_rows, (R,),
         x, out, scale, expert_num_tokens, partial if dynamic else x, n_part, T, K,
         x.stride(0), out.stride(0), sm, sk,
         MODE=mode, DYNAMIC=dynamic, BLOCK_K=block_k, P_PAD=next_pow2(n_part),

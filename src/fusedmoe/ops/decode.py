@@ -28,6 +28,7 @@ import triton.language as tl
 from ._util import cdiv, next_pow2
 from .align import _local_expert
 from .grouped_gemm import _activate
+from .launcher import launch
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1}
 
@@ -139,13 +140,13 @@ def moe_decode(
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
     emap = expert_map if expert_map is not None else ids
-    _decode_gemm1[(M * k, cdiv(inter, block_n1))](
+    launch(_decode_gemm1, (M * k, cdiv(inter, block_n1)),
         x, w1, act, ids, emap, weights, k, global_num_experts, E, inter, H,
         x.stride(0), w1.stride(0), w1.stride(1), act.stride(0),
         BLOCK_N=block_n1, BLOCK_K=min(block_k, next_pow2(H)), HAS_MAP=expert_map is not None,
         ACTIVATION=_ACTIVATIONS[activation], WEIGHT_ON_INPUT=apply_router_weight_on_input, num_warps=4,
     )
-    _decode_gemm2[(M, cdiv(H, block_n2))](
+    launch(_decode_gemm2, (M, cdiv(H, block_n2)),
         act, w2, out, ids, emap, weights, k, global_num_experts, E, H, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_N=block_n2, BLOCK_K=min(block_k, next_pow2(inter)), HAS_MAP=expert_map is not None,

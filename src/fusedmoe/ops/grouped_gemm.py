@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ._util import cdiv
 from .configs import GemmConfig
+from .launcher import launch
 
 _QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}
@@ -312,7 +313,7 @@ def moe_gemm1(
     grid = (num_blocks * cdiv(I, config.block_n),)
     if num_blocks == 0 or I == 0:
         return out
-    _moe_gemm1[grid](
+    launch(_moe_gemm1, grid,
         a, w1, out, sorted_ids, block_expert,
         topk_weights if topk_weights is not None else a,
         a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,
@@ -363,7 +364,7 @@ def moe_gemm2(
     grid = (num_blocks * cdiv(H, config.block_n),)
     if num_blocks == 0 or H == 0:
         return out
-    _moe_gemm2[grid](
+    launch(_moe_gemm2, grid,
         a, w2, out, sorted_ids, block_expert,
         topk_weights if topk_weights is not None else a,
         a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,

@@ -19,6 +19,7 @@ import triton.language as tl
 from ..quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from ._util import cdiv, next_pow2
 from .align import _local_expert
+from .launcher import launch
 
 _MODES = {"fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
 #: Most programs (partials) of the per-tensor max pass.
@@ -193,11 +194,11 @@ def quantize_activation(
         if partial is None:
             partial = torch.empty(n_part, dtype=torch.float32, device=x.device)
         rpp = cdiv(R, n_part)
-        _absmax_partial[(n_part,)](x, ids_arg, map_arg, partial, R, K, rpp, gE, E, x.stride(0),
+        launch(_absmax_partial, (n_part,), x, ids_arg, map_arg, partial, R, K, rpp, gE, E, x.stride(0),
                                    HAS_IDS=has_ids, HAS_MAP=expert_map is not None,
                                    BLOCK_R=4, BLOCK_K=min(block_k, 256), num_warps=4)
     sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
-    _quant_rows[(R,)](
+    launch(_quant_rows, (R,),
         x, out, scale, ids_arg, map_arg, partial if dynamic else x, n_part, K, gE, E,
         x.stride(0), out.stride(0), sm, sk,
         MODE=mode, DYNAMIC=dynamic, HAS_IDS=has_ids, HAS_MAP=expert_map is not None,

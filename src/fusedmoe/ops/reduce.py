@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ._util import cdiv, next_pow2
 from .align import _local_expert
+from .launcher import launch
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def moe_reduce(
     if global_num_experts is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
     bh = reduce_block_h(H)
-    _moe_reduce[(M, cdiv(H, bh))](
+    launch(_moe_reduce, (M, cdiv(H, bh)),
         y, topk_ids, expert_map if expert_map is not None else topk_ids, out, H, global_num_experts, num_experts,
         y.stride(0), out.stride(0),
         TOP_K=k, HAS_MAP=expert_map is not None, BLOCK_H=bh, num_warps=4,

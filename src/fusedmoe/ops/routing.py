@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._util import cdiv, next_pow2
+from .launcher import launch
 
 _SCORING = {"softmax": 0, "sigmoid": 1, "softmax_topk": 2}
 
@@ -176,19 +177,25 @@ def route_fused(
     topk_groups: int | None,
     correction_bias: torch.Tensor | None,
     routed_scaling_factor: float,
+    weights: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated arguments in, (topk_weights float32 [M, k], topk_ids int32 [M, k]) out; one launch."""
+    """Validated arguments in, (topk_weights float32 [M, k], topk_ids int32 [M, k]) out; one launch.
+
+    ``weights`` / ``ids``: contiguous outputs to write (allocated when None)."""
     M, E = router_logits.shape
     dev = router_logits.device
-    weights = torch.empty((M, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((M, top_k), dtype=torch.int32, device=dev)
+    if weights is None:
+        weights = torch.empty((M, top_k), dtype=torch.float32, device=dev)
+    if ids is None:
+        ids = torch.empty((M, top_k), dtype=torch.int32, device=dev)
     if M == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_pad = next_pow2(E)
     rows = ROUTE_ROWS or max(1, min(4, 512 // e_pad))
     groups = num_expert_groups if (num_expert_groups or 1) > 1 else 1
-    _route_kernel[(cdiv(M, rows),)](
+    launch(_route_kernel, (cdiv(M, rows),),
         logits, correction_bias if correction_bias is not None else logits, weights, ids,
         M, E, logits.stride(0), float(routed_scaling_factor),
         K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, ROWS=rows,

@@ -130,6 +130,12 @@ class _Arena:
         return self.data.numel()
 
 
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream of a device (what ``torch.cuda.current_stream().cuda_stream``
+    returns, without building a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 _MANAGER_IDS = itertools.count()
 #: Every live manager by its ``id`` (weakly held): how a manager crosses the registered op's boundary.
 MANAGERS: weakref.WeakValueDictionary[int, WorkspaceManager] = weakref.WeakValueDictionary()
@@ -194,7 +200,7 @@ class WorkspaceManager:
         if name is not None:
             return name
         if self.device.type == "cuda":
-            return ("stream", torch.cuda.current_stream(self.device).cuda_stream)
+            return ("stream", current_stream(self.device.index))
         return "default"
 
     def _key(self, owner: object, slot: object | None) -> object:
@@ -292,11 +298,7 @@ class WorkspaceManager:
         else:
             key = self._key(owner, None)
             with self._lock:
-                held = self._arenas.get(key)
-                if held is None or held.nbytes < nbytes:
-                    self._check_growth(nbytes, held)  # a refused or failed growth leaves no trace
-                    held = self._replace(key, held, bucket_bytes(nbytes))
-                    self.stats.growths += 1
+                held = self._held(key, nbytes)
                 cached = held.views.get(id(plan))
                 if cached is None or cached[0] is not plan:
                     if len(held.views) >= MAX_CACHED_VIEWS:  # bounded under shape churn
@@ -308,6 +310,32 @@ class WorkspaceManager:
         ws = Workspace(plan, views, arena)
         self.prepare_views(ws)
         return ws
+
+    def _held(self, key: object, nbytes: int) -> _Arena:
+        """The persistent arena of ``key``, grown to hold ``nbytes`` (call with the lock held)."""
+        held = self._arenas.get(key)
+        if held is None or held.nbytes < nbytes:
+            self._check_growth(nbytes, held)  # a refused or failed growth leaves no trace
+            held = self._replace(key, held, bucket_bytes(nbytes))
+            self.stats.growths += 1
+        return held
+
+    def arena_for(self, plan: WorkspacePlan, owner: object = None) -> torch.Tensor:
+        """The persistent arena serving ``plan`` now (grown if needed), counted as one call, for callers that
+        address the plan's buffers by their placement offsets from the arena's first byte (a recorded
+        :class:`~fusedmoe.ops.launcher.Trace`). Only for persistent strategies without poison and for plans
+        without zero-requiring buffers: :meth:`acquire` serves everything else."""
+        nbytes = plan.nbytes
+        key = self._key(owner, None)
+        with self._lock:
+            held = self._held(key, nbytes)
+            self._count_call(owner, nbytes)
+        return held.data
+
+    @property
+    def replayable(self) -> bool:
+        """Whether :meth:`arena_for` may serve calls (persistent arenas, no poison)."""
+        return not self.poison and self.strategy in ("shared", "per_layer")
 
     def _count_call(self, owner: object, nbytes: int) -> None:
         self.stats.calls += 1
