@@ -40,6 +40,14 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import decode
 
         return decode.main(args)
+    if args.mode == "host":
+        from .bench import host
+
+        return host.main(args)
+    if args.mode == "model":
+        from .bench import model
+
+        return model.main(args)
     if args.cpu or not torch.cuda.is_available():
         return _bench_strategies_cpu(args)
     if args.route:
@@ -106,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (GPU: kernel sweep; CPU: workspace strategies)")
     bench.add_argument(
-        "mode", nargs="?", default="kernel", choices=("kernel", "decode"),
-        help="kernel: one layer call per backend over a token sweep; decode: an L-layer stack per strategy",
+        "mode", nargs="?", default="kernel", choices=("kernel", "decode", "host", "model"),
+        help="kernel: one layer call per backend over a token sweep; decode: an L-layer stack per strategy; "
+        "host: host time per call and its stages; model: a transformers model per experts implementation",
     )
     bench.add_argument("--preset", default=None, help="model shape preset (see fusedmoe.presets)")
     bench.add_argument("--e", type=int, help="number of experts")
@@ -126,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--align", action="store_true", help="GPU: time the alignment op alone")
     bench.add_argument("--configs-before", default=None,
                        help="folder of config tables for the 'triton_before' backend (before/after a re-tune)")
+    bench.add_argument("--tiny", action="store_true", help="model: a 2-layer, small-dimension model (CPU checks)")
+    bench.add_argument("--impls", default=None, help="model: comma-separated experts implementations")
+    bench.add_argument("--modes", default=None, help="model: eager,compiled (default both)")
+    bench.add_argument("--batches", default=None, help="model: comma-separated batch sizes (default 1,8)")
+    bench.add_argument("--prompt", type=int, default=128, help="model: prompt tokens (prefill)")
+    bench.add_argument("--new", type=int, default=32, help="model: generated tokens")
+    bench.add_argument("--repeats", type=int, default=None, help="model: timed repeats per cell")
     bench.add_argument("--json", default=None, help="write every figure to this JSON file")
     bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")
 

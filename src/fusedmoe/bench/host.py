@@ -1,0 +1,224 @@
+"""``fusedmoe bench host``: host time per call, and where it goes.
+
+Host time is the time the calling thread spends issuing a call (enqueue time): ``calls`` back-to-back calls
+are timed without waiting for the device, starting from an empty queue, so the device is never the limit
+(50 calls of ~6 launches stay far below the launch queue's depth). Reported per path and per M:
+
+- ``FusedMoE.forward`` (routing included) and ``fused_moe`` (routing given), each with trace replay (the
+  default) and through Triton's generic launcher (``FUSEDMOE_REPLAY=0``), plus ``fused_moe_op`` (the
+  registered op that ``torch.compile`` sees; eager callers pay its dispatch only if they call it);
+- the stages of a forward, each timed alone on the same inputs: the checked validation (what a call costs
+  without a cached verdict), the verdict lookup (input signature + dict), the router linear, routing, the
+  plan lookup, the workspace arena, the output allocation, and every kernel launch of the recorded trace
+  (``launch <kernel>``: its compiled launcher alone). ``raw launches`` is their sum: the floor of a call that
+  makes these launches; ``forward / raw`` is the overhead factor;
+- device time per call (CUDA graph replay), to set host time against;
+- the batched layout (``FusedMoE(layout="batched")``) and, with gloo on the CPU, the expert-parallel layer of
+  one rank.
+
+Without a GPU the same table runs the torch experts on a small shape (every microsecond is host time there).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..api import fused_moe
+from ..checks import check_fused_moe_args
+from ..experts.base import ExpertsInputs
+from ..kernel import _roots, _stream
+from ..layer import FusedMoE
+from ..op import fused_moe_op
+from ..ops import launcher
+from ..presets import Preset, get_preset
+from ..signature import input_signature
+from ..workspace.manager import WorkspaceManager
+from . import report
+
+COLUMNS = ["path", "backend", "M", "host us/call", "device us/call", "note"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 50, repeats: int = 15) -> float:
+    """Median host microseconds per call of ``fn`` over ``repeats`` batches of ``calls`` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    _sync(device)
+    return statistics.median(samples)
+
+
+def device_us(fn: Callable[[], object], device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from .timing import graph_time_us
+
+    return graph_time_us([fn] * 10)
+
+
+def _without_replay(fn: Callable[[], object]) -> Callable[[], object]:
+    def run():
+        was = launcher.ENABLED
+        launcher.set_replay(False)
+        try:
+            return fn()
+        finally:
+            launcher.set_replay(was)
+
+    return run
+
+
+#: The CPU table's shape (the torch experts; every microsecond is host time).
+CPU_SHAPE = Preset("cpu-small", 16, 4, 256, 128, 1)
+
+
+def measure(device: torch.device, *, preset: str | Preset = "qwen3-30b-a3b", tokens=(1, 8, 64),
+            dtype=torch.bfloat16, backends=("triton",), calls: int = 50, repeats: int = 15,
+            ep: bool = True) -> list[dict]:
+    """Every row of the host table (see the module docstring) as dicts."""
+    pr = preset if isinstance(preset, Preset) else get_preset(preset)
+    rows: list[dict] = []
+
+    def row(path, backend, M, host, dev=None, note=""):
+        rows.append({"path": path, "backend": backend, "M": M, "host_us": host, "device_us": dev, "note": note})
+
+    manager = WorkspaceManager(device)
+    for backend in backends:
+        torch.manual_seed(0)
+        layer = FusedMoE(pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size, dtype=dtype,
+                         device=device, workspace=manager, backend=backend, **pr.routing)
+        for M in tokens:
+            x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
+            with torch.inference_mode():
+                _forward_rows(row, layer, x, backend, M, device, calls, repeats)
+        del layer
+    if device.type == "cuda" and "triton" in backends:
+        with torch.inference_mode():
+            _batched_rows(row, pr, device, dtype, tokens, calls, repeats)
+    if ep:
+        _ep_rows(row, calls, repeats)
+    return rows
+
+
+def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls, repeats) -> None:
+    h = lambda fn: host_us(fn, device, calls=calls, repeats=repeats)  # noqa: E731
+    forward = lambda: layer(x)  # noqa: E731
+    fwd = h(forward)
+    row("FusedMoE.forward", backend, M, fwd, device_us(forward, device))
+    row("FusedMoE.forward (generic launches)", backend, M, h(_without_replay(forward)))
+    logits = F.linear(x, layer.gate)
+    w, ids = layer.route(x, logits)
+    args = (x, layer.w1, layer.w2, w, ids)
+    call = lambda: fused_moe(*args, workspace=layer.workspace, backend=backend)  # noqa: E731
+    row("fused_moe", backend, M, h(call), device_us(call, device))
+    row("fused_moe (generic launches)", backend, M, h(_without_replay(call)))
+    row("fused_moe_op (registered op)", backend, M,
+        h(lambda: fused_moe_op(*args, workspace=layer.workspace, backend=backend)))
+
+    # stages, each alone on the same inputs
+    stage = lambda name, fn, note="": row(f"  {name}", backend, M, h(fn), None, note)  # noqa: E731
+    stage("checked validation", lambda: check_fused_moe_args(
+        *args, activation="silu", apply_router_weight_on_input=False, expert_map=None, global_num_experts=None,
+        quant=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None), "per call without a verdict")
+    key, _ = layer._key(x, None)
+    stage("verdict lookup", lambda: layer._verdicts.get(layer._key(x, None)[0]), "input signature + dict")
+    stage("router linear", lambda: F.linear(x, layer.gate, layer.gate_bias))
+    verdict = layer._verdicts[key]
+    p, kernel, manager, router = verdict
+    stage("routing", lambda: router(logits, None))
+    stage("plan lookup", lambda: kernel.program(p))
+    plan = kernel.program(p)[0].plan
+    stage("workspace arena", lambda: manager.arena_for(plan, layer.owner_key))
+    stage("output alloc", lambda: torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device))
+    inputs = ExpertsInputs(x, layer.w1, layer.w2, w, ids)
+    stage("ExpertsInputs", lambda: ExpertsInputs(x, layer.w1, layer.w2, w, ids))
+    sig = input_signature(x, None, layer.w1, layer.w2, layer.gate, None, None, None, None, None)
+    trace = kernel.traces.get((kernel.program(p)[0], sig))
+    if isinstance(trace, launcher.Trace):
+        out = torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device)
+        arena = manager.arena_for(plan, layer.owner_key)
+        roots, stream = (*_roots(inputs), out), _stream(x)
+        raw = 0.0
+        for name, part in trace.parts():
+            us = h(lambda part=part: part(roots, arena, stream))
+            raw += us
+            row(f"  launch {name}", backend, M, us)
+        row("  raw launches (sum)", backend, M, raw, None, f"forward / raw = {fwd / raw:.2f}")
+    else:
+        row("  launches", backend, M, None, None, kernel.traces.reason((kernel.program(p)[0], sig)) or "")
+
+
+def _batched_rows(row, pr, device, dtype, tokens, calls, repeats) -> None:
+    layer = FusedMoE(pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size, dtype=dtype, device=device,
+                     backend="triton", layout="batched", max_tokens_per_expert=max(tokens) * pr.top_k,
+                     **pr.routing)
+    for M in tokens:
+        x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
+        fn = lambda x=x: layer(x)  # noqa: E731
+        row("FusedMoE.forward (batched layout)", "triton", M, host_us(fn, device, calls=calls, repeats=repeats),
+            device_us(fn, device))
+
+
+def _ep_rows(row, calls, repeats) -> None:
+    """The expert-parallel layer of a one-rank gloo group on the CPU (torch experts, small shape)."""
+    import torch.distributed as dist
+
+    owned = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        owned = True
+    try:
+        cpu = torch.device("cpu")
+        layer = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch",
+                         ep_group=dist.group.WORLD)
+        local = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch")
+        for M in (1, 8, 64):
+            x = torch.randn(M, 256)
+            with torch.inference_mode():
+                row("FusedMoE.forward (EP, gloo, 1 rank)", "torch", M,
+                    host_us(lambda x=x: layer(x), cpu, calls=calls, repeats=repeats), None, "CPU, E=16 k=4 H=256 I=128")
+                row("FusedMoE.forward (no EP, same shape)", "torch", M,
+                    host_us(lambda x=x: local(x), cpu, calls=calls, repeats=repeats), None, "CPU")
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def table_rows(rows: list[dict]) -> list[list[object]]:
+    return [[r["path"], r["backend"], r["M"], r["host_us"], r["device_us"], r["note"]] for r in rows]
+
+
+def main(args) -> int:
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda" if on_gpu else "cpu")
+    tokens = args.tokens or [1, 8, 64]
+    if on_gpu:
+        backends = tuple((args.backends or "triton").split(","))
+        rows = measure(device, preset=args.preset or "qwen3-30b-a3b", tokens=tokens, backends=backends)
+        title = f"host time per call ({args.preset or 'qwen3-30b-a3b'}, bf16, {torch.cuda.get_device_name()})"
+    else:
+        rows = measure(device, preset=CPU_SHAPE, tokens=tokens, dtype=torch.float32, backends=("torch",))
+        title = "host time per call (CPU: torch experts, small shape, float32)"
+    report.print_table(title, COLUMNS, table_rows(rows))
+    if args.json:
+        report.save_json(args.json, {"env": report.environment(), "host": rows})
+        print(f"wrote {args.json}")
+    return 0
