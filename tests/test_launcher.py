@@ -319,3 +319,21 @@ def test_gpu_each_stream_replays_on_its_own_arena():
     torch.testing.assert_close(a, want, rtol=0, atol=0)
     torch.testing.assert_close(b, want, rtol=0, atol=0)
     assert len(mgr._arenas) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_an_installed_launch_hook_sees_every_launch():
+    from triton import knobs
+
+    mgr = WorkspaceManager("cuda")
+    args, _ = _gpu_args(0, 8, None)
+    want = fused_moe(*args, workspace=mgr)  # recorded
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        got = fused_moe(*args, workspace=mgr)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) >= 4  # align, GEMM1, GEMM2, reduce went through Triton's launcher
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

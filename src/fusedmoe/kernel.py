@@ -141,7 +141,7 @@ class MoEKernel:
                 and manager.replayable and not plan.zero_nbytes:
             key = (compiled[0], layout_key)
             trace = self.traces.get(key)
-            if trace is not UNSEEN and trace is not None:
+            if trace is not UNSEEN and trace is not None and trace.ready():
                 trace((*_roots(x), output), manager.arena_for(plan, owner), _stream(hidden))
                 return output
             ws = manager.acquire(plan, owner)

@@ -270,7 +270,7 @@ class FusedMoE(nn.Module):
             if trace is UNSEEN:
                 replays.record(key, lambda: route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids,
                                                         **R), roots, None)
-            elif trace is None:
+            elif trace is None or not trace.ready():
                 route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids, **R)
             else:
                 trace(roots, None, current_stream(logits.device.index))

@@ -133,9 +133,11 @@ def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, pr
                 if compiled:
                     _generate(model, ids, mask, new, compiled)
                 pre, full, out = [], [], None
+                prefill_only = lambda a=ids, m=mask, c=compiled: _generate(model, a, m, 1, c)  # noqa: E731
+                whole = lambda a=ids, m=mask, c=compiled: _generate(model, a, m, new, c)  # noqa: E731
                 for _ in range(repeats):
-                    pre.append(_timed(lambda: _generate(model, ids, mask, 1, compiled), device)[0])
-                    ms, out = _timed(lambda: _generate(model, ids, mask, new, compiled), device)
+                    pre.append(_timed(prefill_only, device)[0])
+                    ms, out = _timed(whole, device)
                     full.append(ms)
         finally:
             undo()

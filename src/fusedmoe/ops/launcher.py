@@ -15,8 +15,9 @@ the caller keys traces by the problem, the launch configuration and the roots' s
 16-byte alignment (what Triton specializes on). The recorder refuses (``trace()`` returns None) when the run did
 anything a replay would not redo: a tensor argument outside the roots and the arena (a temporary), a tensor
 argument inside two roots, a torch operation that is not a view (a copy, a fill, a host sync), a grid computed
-by a function, or a Triton launch hook being installed. Under the CPU interpreter the trace replays through
-``kernel[grid]`` with tensor views rebuilt at the recorded offsets, so the substitution logic is tested there.
+by a function. A trace does not replay while a Triton launch hook (a profiler's) is installed
+(:meth:`Trace.ready`). Under the CPU interpreter a trace replays through ``kernel[grid]`` with tensor views
+rebuilt at the recorded offsets, so the substitution logic is tested there too.
 """
 
 from __future__ import annotations
@@ -181,6 +182,11 @@ class Trace:
         """(kernel name, a trace of that launch alone) per launch, in order (for per-launch timing)."""
         raise NotImplementedError
 
+    def ready(self) -> bool:
+        """Whether the trace may replay now (not while a Triton launch hook, e.g. a profiler's, is installed:
+        the hook expects Triton's own launch path)."""
+        return True
+
     def __call__(self, roots: Sequence[torch.Tensor | None], arena: torch.Tensor | None, stream: int) -> None:
         raise NotImplementedError
 
@@ -198,11 +204,10 @@ class _CompiledTrace(Trace):
     def parts(self) -> list[tuple[str, Trace]]:
         return [(r[0].fn.__name__, _CompiledTrace([r])) for r in self._recorded]
 
-    def __call__(self, roots, arena, stream) -> None:
-        from triton import knobs
+    def ready(self) -> bool:
+        return not _hooked()
 
-        if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-            raise RuntimeError("a Triton launch hook is installed: replay the call through Triton instead")
+    def __call__(self, roots, arena, stream) -> None:
         bases = [t.data_ptr() if t is not None else 0 for t in roots]
         bases.append(arena.data_ptr() if arena is not None else 0)  # source -1
         for run, g0, g1, g2, function, meta, template, slots in self._items:
@@ -210,6 +215,27 @@ class _CompiledTrace(Trace):
             for i, src, off in slots:
                 args[i] = bases[src] + off
             run(g0, g1, g2, stream, function, meta, None, None, None, *args)
+
+
+def _hook_active(hook) -> bool:
+    # Triton >= 3.5 keeps hooks in a HookChain (always present, empty when nothing is installed).
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch hook (a profiler's) is installed: then launches go through ``kernel[grid]``."""
+    rt = _RUNTIME_KNOBS[0] if _RUNTIME_KNOBS else _runtime_knobs()
+    return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook)
+
+
+_RUNTIME_KNOBS: list = []
+
+
+def _runtime_knobs():
+    from triton import knobs
+
+    _RUNTIME_KNOBS.append(knobs.runtime)
+    return knobs.runtime
 
 
 class _InterpretedTrace(Trace):
