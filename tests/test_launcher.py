@@ -259,13 +259,12 @@ def test_gpu_replayed_calls_capture_in_a_cuda_graph():
     args, _ = _gpu_args(0, 16, None)
     static = [a.clone() for a in args]
     fused_moe(*static, workspace=mgr)  # records the trace
-    mgr.reserve(get_kernel("triton").plan(_trace_key(static)[1]))
-    mgr.freeze()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_moe(*static, workspace=mgr)  # this stream's slot
+        fused_moe(*static, workspace=mgr)  # sizes this stream's slot
     torch.cuda.current_stream().wait_stream(stream)
+    mgr.freeze()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         out = fused_moe(*static, workspace=mgr)

@@ -262,8 +262,9 @@ class FusedMoE(nn.Module):
 
         def router(logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             M = logits.shape[0]
-            weights = torch.empty((M, k), dtype=torch.float32, device=logits.device)
-            ids = torch.empty((M, k), dtype=torch.int32, device=logits.device)
+            both = torch.empty(2 * M * k, dtype=torch.int32, device=logits.device)  # one allocation, two views
+            ids = both[:M * k].view(M, k)
+            weights = both[M * k:].view(torch.float32).view(M, k)
             key = input_signature(logits, bias)
             roots = (logits, bias, weights, ids)
             trace = replays.get(key) if launcher.ENABLED else None

@@ -1,8 +1,8 @@
 """``fusedmoe bench host``: host time per call, and where it goes.
 
-Host time is the time the calling thread spends issuing a call (enqueue time): ``calls`` back-to-back calls
-are timed without waiting for the device, starting from an empty queue, so the device is never the limit
-(50 calls of ~6 launches stay far below the launch queue's depth). Reported per path and per M:
+Host time is the time the calling thread spends issuing a call (enqueue time): each of ``calls`` calls is
+issued after the device went idle and timed until it returns (median), so the device is never the limit.
+Reported per path and per M:
 
 - ``FusedMoE.forward`` (routing included) and ``fused_moe`` (routing given), each with trace replay (the
   default) and through Triton's generic launcher (``FUSEDMOE_REPLAY=0``), plus ``fused_moe_op`` (the
@@ -49,17 +49,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 50, repeats: int = 15) -> float:
-    """Median host microseconds per call of ``fn`` over ``repeats`` batches of ``calls`` back-to-back calls."""
+def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200) -> float:
+    """Median host microseconds of one call of ``fn``, each issued after the device went idle (so the launch
+    queue never pushes back, whatever the device time)."""
     for _ in range(3):
         fn()
     samples = []
-    for _ in range(repeats):
+    for _ in range(calls):
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
     _sync(device)
     return statistics.median(samples)
 
@@ -89,7 +89,7 @@ CPU_SHAPE = Preset("cpu-small", 16, 4, 256, 128, 1)
 
 
 def measure(device: torch.device, *, preset: str | Preset = "qwen3-30b-a3b", tokens=(1, 8, 64),
-            dtype=torch.bfloat16, backends=("triton",), calls: int = 50, repeats: int = 15,
+            dtype=torch.bfloat16, backends=("triton",), calls: int = 200,
             ep: bool = True) -> list[dict]:
     """Every row of the host table (see the module docstring) as dicts."""
     pr = preset if isinstance(preset, Preset) else get_preset(preset)
@@ -106,18 +106,18 @@ def measure(device: torch.device, *, preset: str | Preset = "qwen3-30b-a3b", tok
         for M in tokens:
             x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
             with torch.inference_mode():
-                _forward_rows(row, layer, x, backend, M, device, calls, repeats)
+                _forward_rows(row, layer, x, backend, M, device, calls)
         del layer
     if device.type == "cuda" and "triton" in backends:
         with torch.inference_mode():
-            _batched_rows(row, pr, device, dtype, tokens, calls, repeats)
+            _batched_rows(row, pr, device, dtype, tokens, calls)
     if ep:
-        _ep_rows(row, calls, repeats)
+        _ep_rows(row, calls)
     return rows
 
 
-def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls, repeats) -> None:
-    h = lambda fn: host_us(fn, device, calls=calls, repeats=repeats)  # noqa: E731
+def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls) -> None:
+    h = lambda fn: host_us(fn, device, calls=calls)  # noqa: E731
     forward = lambda: layer(x)  # noqa: E731
     fwd = h(forward)
     row("FusedMoE.forward", backend, M, fwd, device_us(forward, device))
@@ -164,18 +164,18 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
         row("  launches", backend, M, None, None, kernel.traces.reason((kernel.program(p)[0], sig)) or "")
 
 
-def _batched_rows(row, pr, device, dtype, tokens, calls, repeats) -> None:
+def _batched_rows(row, pr, device, dtype, tokens, calls) -> None:
     layer = FusedMoE(pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size, dtype=dtype, device=device,
                      backend="triton", layout="batched", max_tokens_per_expert=max(tokens) * pr.top_k,
                      **pr.routing)
     for M in tokens:
         x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
         fn = lambda x=x: layer(x)  # noqa: E731
-        row("FusedMoE.forward (batched layout)", "triton", M, host_us(fn, device, calls=calls, repeats=repeats),
+        row("FusedMoE.forward (batched layout)", "triton", M, host_us(fn, device, calls=calls),
             device_us(fn, device))
 
 
-def _ep_rows(row, calls, repeats) -> None:
+def _ep_rows(row, calls) -> None:
     """The expert-parallel layer of a one-rank gloo group on the CPU (torch experts, small shape)."""
     import torch.distributed as dist
 
@@ -194,9 +194,9 @@ def _ep_rows(row, calls, repeats) -> None:
             x = torch.randn(M, 256)
             with torch.inference_mode():
                 row("FusedMoE.forward (EP, gloo, 1 rank)", "torch", M,
-                    host_us(lambda x=x: layer(x), cpu, calls=calls, repeats=repeats), None, "CPU, E=16 k=4 H=256 I=128")
+                    host_us(lambda x=x: layer(x), cpu, calls=calls), None, "CPU, E=16 k=4 H=256 I=128")
                 row("FusedMoE.forward (no EP, same shape)", "torch", M,
-                    host_us(lambda x=x: local(x), cpu, calls=calls, repeats=repeats), None, "CPU")
+                    host_us(lambda x=x: local(x), cpu, calls=calls), None, "CPU")
     finally:
         if owned:
             dist.destroy_process_group()

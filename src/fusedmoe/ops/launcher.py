@@ -192,13 +192,27 @@ class Trace:
 
 
 class _CompiledTrace(Trace):
+    """Replays through each compiled kernel's own launcher: ``launch(grid, stream, function, ..., *args)`` of
+    Triton's generated C launcher when the kernel needs no scratch allocation, else the launcher object."""
+
     def __init__(self, recorded: list[tuple]):
         self._recorded = recorded
         self._items = []
+        used: set[int] = set()
         for _, compiled, grid, values, slots, _ in recorded:
             template = [(0 if isinstance(v, torch.Tensor) else v) for v in values]
-            self._items.append((compiled.run, *grid, compiled.function, compiled.packed_metadata, template,
-                                tuple((i, src, off) for i, src, off, *_ in slots)))
+            run = compiled.run
+            direct = getattr(run, "launch", None)
+            if direct is not None and not getattr(run, "global_scratch_size", 1) \
+                    and not getattr(run, "profile_scratch_size", 1):
+                fn, rest = direct, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                    compiled.packed_metadata, None, None, None)
+            else:
+                fn, rest = run, (compiled.function, compiled.packed_metadata, None, None, None)
+            subs = tuple((i, src, off) for i, src, off, *_ in slots)
+            used.update(src for _, src, _ in subs)
+            self._items.append((fn, *grid, rest, template, subs))
+        self._used = tuple(sorted(used))  # the sources (roots, -1 = arena) whose pointers a replay reads
         self.launches = len(self._items)
 
     def parts(self) -> list[tuple[str, Trace]]:
@@ -208,13 +222,15 @@ class _CompiledTrace(Trace):
         return not _hooked()
 
     def __call__(self, roots, arena, stream) -> None:
-        bases = [t.data_ptr() if t is not None else 0 for t in roots]
-        bases.append(arena.data_ptr() if arena is not None else 0)  # source -1
-        for run, g0, g1, g2, function, meta, template, slots in self._items:
+        bases = {}
+        for src in self._used:
+            t = roots[src] if src >= 0 else arena
+            bases[src] = t.data_ptr()
+        for fn, g0, g1, g2, rest, template, subs in self._items:
             args = template.copy()
-            for i, src, off in slots:
+            for i, src, off in subs:
                 args[i] = bases[src] + off
-            run(g0, g1, g2, stream, function, meta, None, None, None, *args)
+            fn(g0, g1, g2, stream, *rest, *args)
 
 
 def _hook_active(hook) -> bool:
