@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 COMMON = dict(
@@ -13,6 +14,8 @@ COMMON = dict(
     max_position_embeddings=256,
 )
 
+# DeepSeek's multi-head latent attention has one key/value head per query head (transformers' DeepSeek
+# attention fails on a padding mask, and torch.export, with fewer).
 CONFIGS = {
     "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=True, head_dim=16),
@@ -23,17 +26,27 @@ CONFIGS = {
     "deepseek_v2": dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                         n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
                         routed_scaling_factor=2.0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                        qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=0),
+                        qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=0, num_key_value_heads=4),
     "deepseek_v3": dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                         n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, kv_lora_rank=16,
                         q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        first_k_dense_replace=1, num_hidden_layers=3, norm_topk_prob=True,
+                        first_k_dense_replace=1, num_hidden_layers=3, norm_topk_prob=True, num_key_value_heads=4,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"]),
 }
 
 ARCHS = tuple(CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """These models are tiny: intra-op threads only add contention (100x slower on a loaded 2-core machine).
+    Use as ``pytestmark = pytest.mark.usefixtures("one_thread")`` after importing it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_config(model_type: str, **overrides):
@@ -80,8 +93,7 @@ def routed_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tens
     """(float32 logits, the sorted top-k expert ids of every routing decision, in call order): transformers' own
     routing (the ids its experts modules receive) or, in a patched model, the ids fusedmoe's layers chose. Used
     to tell a near-tie routing flip from an error in the experts."""
-    from fusedmoe import FusedMoE
-    from fusedmoe.integrations.hf import experts_modules
+    from fusedmoe.integrations.hf import experts_modules, patched_blocks
 
     seen: list[torch.Tensor] = []
 
@@ -89,26 +101,20 @@ def routed_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tens
         index = args[1] if len(args) > 1 else next(v for k, v in kwargs.items() if "ind" in k)
         seen.append(index.sort(dim=-1).values.cpu())
 
-    def recording(route):
-        def wrapped(*args, **kwargs):
-            weights, index = route(*args, **kwargs)
-            seen.append(index.long().sort(dim=-1).values.cpu())
-            return weights, index
+    def record_route(layer, args):
+        _, index = layer.route(*args)  # the layer's routing of the logits its block hands it
+        seen.append(index.long().sort(dim=-1).values.cpu())
 
-        return wrapped
-
-    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts_modules(model)]
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    for layer in layers:
-        layer.route = recording(layer.route)
+    blocks = patched_blocks(model)
+    handles = [b.moe.register_forward_pre_hook(record_route) for b in blocks]
+    if not blocks:
+        handles += [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts_modules(model)]
     try:
         with torch.no_grad():
             logits = model(ids).logits.float()
     finally:
         for h in handles:
             h.remove()
-        for layer in layers:
-            del layer.route
     return logits, seen
 
 

@@ -7,10 +7,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_tiny import prompt, tiny_model  # noqa: E402
+from hf_tiny import one_thread, prompt, tiny_model  # noqa: E402, F401
 
 from fusedmoe.integrations import hf  # noqa: E402
 from fusedmoe.reference import relative_error  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _logits(model, ids):

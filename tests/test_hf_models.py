@@ -3,6 +3,7 @@ against the unpatched models, for every supported architecture."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -10,11 +11,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_tiny import ARCHS, prompt, tiny_config, tiny_model  # noqa: E402
+from hf_tiny import ARCHS, one_thread, prompt, tiny_config, tiny_model  # noqa: E402, F401
 
 from fusedmoe import WorkspaceManager  # noqa: E402
 from fusedmoe.integrations import hf  # noqa: E402
 from fusedmoe.reference import relative_error  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOL = 1e-5
 NEW_TOKENS = 32
@@ -66,11 +69,14 @@ def test_patch_model_matches_transformers(arch):
 def test_patched_block_matches_original_block(arch):
     """Block level, many tokens (every expert hit), router and shared experts included."""
     model = tiny_model(arch)
+    original = copy.deepcopy(model)
     hf.patch_model(model)
-    block = _moe_blocks(model)[0]
+    name = next(n for n, m in model.named_modules() if isinstance(m, hf.FusedMoEBlock))
+    block, original_block = model.get_submodule(name), original.get_submodule(name)
+    assert type(original_block) in type(block).__mro__  # the same transformers class underneath
     x = torch.randn(3, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        out, ref = block(x), block.original(x)
+        out, ref = block(x), original_block(x)
     if isinstance(ref, tuple):  # gpt-oss returns (hidden, router_scores)
         assert isinstance(out, tuple)
         out, ref = out[0], ref[0]
@@ -163,11 +169,12 @@ def test_gpt_oss_conversion_is_cached_and_refreshed():
 def test_triton_backend_gpt_oss_block():
     """gpt-oss's biases and clamped SwiGLU through the Triton kernels (CPU interpreter)."""
     model = tiny_model("gpt_oss")
+    original = copy.deepcopy(model)
     hf.patch_model(model, backend="triton")
-    block = _moe_blocks(model)[0]
     x = torch.randn(1, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        out, ref = block(x)[0], block.original(x)[0]
+        out, ref = model.model.layers[0].mlp(x)[0], original.model.layers[0].mlp(x)[0]
+    assert isinstance(model.model.layers[0].mlp, hf.FusedMoEBlock)
     assert relative_error(out, ref) < TOL
 
 

@@ -8,17 +8,30 @@ Two ways in:
   transformers' (the function receives ``top_k_index`` / ``top_k_weights``); only the experts are replaced.
   Standard layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) is used in place; gpt-oss's layout is
   converted once per module and cached (a second copy of its expert weights).
-- :func:`patch_model` replaces whole MoE blocks (router, experts, shared experts) with :class:`FusedMoEBlock`
-  wrappers around :class:`fusedmoe.FusedMoE` layers that share the model's weight tensors where layouts agree
-  (gpt-oss's experts are converted). All patched layers of a model share one WorkspaceManager.
-  :func:`unpatch_model` puts the original blocks back.
+- :func:`patch_model` makes whole MoE blocks (router, routed experts) run through :class:`fusedmoe.FusedMoE`
+  layers. A patched block is the same module object with the same submodules, parameters and buffers (so
+  ``state_dict``, ``save_pretrained``, ``load_state_dict``, ``named_parameters`` and ``.to()`` see exactly
+  transformers' names and tensors); only its class gains :class:`FusedMoEBlock`, whose forward computes the
+  router logits as the original router does and hands them to a FusedMoE layer holding the very same weight
+  tensors (gpt-oss's experts are converted). Shared experts run the model's own modules. All patched layers of
+  a model share one WorkspaceManager. :func:`unpatch_model` restores the original classes.
+
+Both refuse, when they are set up, a model they cannot compute exactly (a NotImplementedError naming the module
+and what is unsupported), and leave the model as it was. float64 models run transformers' own code (fusedmoe's
+kernels compute in float32 at best), with a warning.
 
 Both are inference paths so far: a forward that would need a gradient (autograd recording and a weight or input
 requiring grad) raises :class:`fusedmoe.checks.GradientNotSupportedError` instead of dropping the gradient;
 run inference under ``torch.no_grad()`` / ``torch.inference_mode()`` (``generate`` does).
+
+What does not match transformers, and why: docs/transformers.md.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -27,19 +40,22 @@ from torch import nn
 from ..api import fused_moe
 from ..checks import forbid_gradients
 from ..layer import FusedMoE
-from .loading import SUPPORTED_MODEL_TYPES, from_hf, gpt_oss_to_fused
 from ..op import fused_moe_op, workspace_id
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from ..workspace.manager import WorkspaceManager
+from .loading import HF_ACTIVATIONS, SUPPORTED_MODEL_TYPES, gpt_oss_to_fused, hf_activation, layer_kwargs
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
     "PATCHABLE_BLOCKS",
     "FusedMoEBlock",
     "attach_workspace",
+    "check_experts_implementation",
     "experts_modules",
+    "experts_unsupported",
     "fusedmoe_experts_forward",
     "patch_model",
+    "patched_blocks",
     "register",
     "reserve_workspace",
     "unpatch_model",
@@ -47,7 +63,7 @@ __all__ = [
 
 EXPERTS_IMPLEMENTATION = "fusedmoe"
 
-#: transformers MoE block classes that patch_model replaces (class name -> model_type).
+#: transformers MoE block classes that patch_model handles (class name -> model_type).
 PATCHABLE_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": "qwen3_moe",
     "Qwen2MoeSparseMoeBlock": "qwen2_moe",
@@ -58,20 +74,154 @@ PATCHABLE_BLOCKS = {
     "GptOssMLP": "gpt_oss",
 }
 
-_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+#: Dtypes fusedmoe's kernels compute; other floating models run transformers' own code (with a warning).
+SERVED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 _CACHE_ATTR = "_fusedmoe_converted"
+_WARNED_ATTR = "_fusedmoe_warned"
 #: Parameters of a transformers experts module that the fused call reads (directly or converted).
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+#: Names registered with :func:`register`: the implementations whose selection is checked.
+_REGISTERED: set[str] = set()
+
+
+# ---- what fusedmoe can compute -------------------------------------------------------------------------------
+def _activation_of(experts: nn.Module) -> str:
+    """The fusedmoe activation of a transformers experts module; NotImplementedError saying why there is none."""
+    if type(experts).__name__ == "GptOssExperts":
+        if (getattr(experts, "alpha", None), getattr(experts, "limit", None)) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+            raise NotImplementedError(
+                f"gpt-oss swiglu alpha={experts.alpha}, limit={experts.limit} differ from fusedmoe's swigluoai "
+                f"(alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT})"
+            )
+        return "swigluoai"
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        raise NotImplementedError("a custom gate (_apply_gate) fusedmoe does not implement")
+    return hf_activation(getattr(getattr(experts, "config", None), "hidden_act", "silu"))
+
+
+def experts_unsupported(experts: nn.Module) -> str | None:
+    """Why fusedmoe cannot compute the transformers experts module ``experts`` exactly, or None when it can.
+
+    Checks what a weight's dtype does not decide: gating, norms, layout, expert parallelism, activation."""
+    if getattr(experts, "has_post_expert_norm", False):
+        return "post-expert norms are not supported"
+    if not getattr(experts, "has_gate", True):
+        return "ungated experts are not supported"
+    if getattr(experts, "_is_expert_parallel", False):
+        return "transformers' expert parallelism is not supported (use fusedmoe's ep_group)"
+    standard = getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
+    gpt_oss = (getattr(experts, "is_transposed", False) and not getattr(experts, "is_concatenated", True)
+               and getattr(experts, "has_bias", False))
+    if not (standard or gpt_oss):
+        return "weight layout not supported (concatenated [E, 2I, H] or gpt-oss's interleaved, transposed one)"
+    try:
+        _activation_of(experts)
+    except NotImplementedError as err:
+        return str(err)
+    return None
+
+
+def _dtype_unsupported(dtype: torch.dtype) -> str | None:
+    if dtype in SERVED_DTYPES:
+        return None
+    return f"{dtype} is not computed by fusedmoe's kernels (float32, float16, bfloat16); transformers' code runs it"
+
+
+def _warn_once(module: nn.Module, what: str, reason: str) -> None:
+    warned = module.__dict__.setdefault(_WARNED_ATTR, set())
+    if reason not in warned:
+        warned.add(reason)
+        warnings.warn(f"{what}: {reason}", UserWarning, stacklevel=3)
+
+
+def _named_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed")]
+
+
+def check_experts_implementation(model: nn.Module) -> None:
+    """Raise NotImplementedError naming every experts module of ``model`` that fusedmoe cannot compute, and
+    why (see :func:`experts_unsupported`); warn for those whose dtype fusedmoe leaves to transformers' code.
+
+    A model whose modules are not built yet (transformers checks the implementation in ``__init__``) is
+    checked on its config: its ``hidden_act`` and gpt-oss's SwiGLU constants."""
+    problems, left_to_transformers = [], []
+    named = _named_experts(model)
+    for name, experts in named:
+        reason = experts_unsupported(experts)
+        if reason is not None:
+            problems.append(f"{name or '<model>'} ({type(experts).__name__}): {reason}")
+        elif _dtype_unsupported(experts.gate_up_proj.dtype) is not None:
+            left_to_transformers.append(_dtype_unsupported(experts.gate_up_proj.dtype))
+    if left_to_transformers and not problems:
+        _warn_once(model, f"{type(model).__name__} with experts_implementation='fusedmoe': "
+                          f"{len(left_to_transformers)} experts modules run transformers' eager experts",
+                   left_to_transformers[0])
+    if not named:
+        reason = _config_unsupported(getattr(model, "config", None))
+        if reason is not None:
+            problems.append(f"{type(model).__name__}: {reason}")
+    if problems:
+        raise NotImplementedError(
+            "fusedmoe cannot compute these experts exactly, so experts_implementation='fusedmoe' is refused "
+            "(the model keeps its current implementation):\n  " + "\n  ".join(problems)
+        )
+
+
+def _config_unsupported(config) -> str | None:
+    if config is None:
+        return None
+    if getattr(config, "model_type", None) == "gpt_oss":
+        alpha = getattr(config, "swiglu_alpha", SWIGLUOAI_ALPHA)
+        limit = getattr(config, "swiglu_limit", SWIGLUOAI_LIMIT)
+        if (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+            return f"gpt-oss swiglu_alpha={alpha}, swiglu_limit={limit} differ from fusedmoe's swigluoai"
+        return None
+    act = getattr(config, "hidden_act", None)
+    if act is not None and act not in HF_ACTIVATIONS:
+        return f"hidden_act={act!r} has no fusedmoe kernel (supported: {sorted(HF_ACTIVATIONS)})"
+    return None
 
 
 # ---- experts interface --------------------------------------------------------------------------------------
 def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
-    """Register fusedmoe as an experts implementation of transformers (idempotent)."""
+    """Register fusedmoe as an experts implementation of transformers (idempotent).
+
+    Also makes transformers check, whenever a model selects ``name`` (``set_experts_implementation``,
+    ``from_pretrained(..., experts_implementation=...)``), that fusedmoe can compute its experts
+    (:func:`check_experts_implementation`): a model it cannot serve is refused there, not at its first forward.
+    """
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError as err:  # pragma: no cover
         raise ImportError("fusedmoe.integrations.hf needs transformers>=5 (transformers.integrations.moe)") from err
     ExpertsInterface.register(name, fusedmoe_experts_forward)
+    _REGISTERED.add(name)
+    _install_selection_check()
+
+
+def _install_selection_check() -> None:
+    """Wrap ``PreTrainedModel.get_correct_experts_implementation`` (where transformers validates a requested
+    experts implementation, and checks its own ``grouped_mm`` can dispatch) so that selecting a fusedmoe
+    implementation runs :func:`check_experts_implementation` first. Once per process."""
+    from transformers import PreTrainedModel
+
+    current = getattr(PreTrainedModel, "get_correct_experts_implementation", None)
+    if current is None or getattr(current, "_fusedmoe_check", False):
+        return
+
+    @functools.wraps(current)
+    def get_correct_experts_implementation(self, requested_experts):
+        chosen = current(self, requested_experts)
+        if chosen in _REGISTERED and self._can_set_experts_implementation():
+            check_experts_implementation(self)
+        return chosen
+
+    get_correct_experts_implementation._fusedmoe_check = True
+    PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
 
 
 def attach_workspace(model: nn.Module, workspace: WorkspaceManager | None = None, backend: str = "auto"):
@@ -90,10 +240,7 @@ def attach_workspace(model: nn.Module, workspace: WorkspaceManager | None = None
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The transformers experts modules of ``model``: those its experts interface dispatches (and that the
     ``"fusedmoe"`` implementation computes)."""
-    return [
-        m for m in model.modules()
-        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed")
-    ]
+    return [m for _, m in _named_experts(model)]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -101,36 +248,14 @@ def _model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _activation_of(experts: nn.Module) -> str:
-    if type(experts).__name__ == "GptOssExperts":
-        if (getattr(experts, "alpha", None), getattr(experts, "limit", None)) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
-            raise NotImplementedError(
-                f"gpt-oss swiglu alpha={experts.alpha}, limit={experts.limit} differ from fusedmoe's swigluoai"
-            )
-        return "swigluoai"
-    from transformers.integrations.moe import _default_apply_gate
-
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        raise NotImplementedError(f"{type(experts).__name__} has a custom gate fusedmoe does not implement")
-    act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
-    if act not in _ACTS:
-        raise NotImplementedError(f"{type(experts).__name__}: hidden_act={act!r} has no fusedmoe kernel")
-    return _ACTS[act]
-
-
 def _expert_weights(experts: nn.Module):
-    """(w1, w2, w1_bias, w2_bias) in fusedmoe's layout for a transformers experts module."""
-    if getattr(experts, "has_post_expert_norm", False) or not getattr(experts, "has_gate", True):
-        raise NotImplementedError(f"{type(experts).__name__}: post-expert norms / ungated experts are not supported")
-    if getattr(experts, "_is_expert_parallel", False):
-        raise NotImplementedError("transformers' expert parallelism is not supported by the fusedmoe experts")
-    if getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False):
+    """(w1, w2, w1_bias, w2_bias) in fusedmoe's layout for a transformers experts module: its own tensors, or
+    for gpt-oss a converted copy, made once and remade when a source tensor changes (storage, version, dtype,
+    device; checked in eager mode, reused as is while compiling)."""
+    if not getattr(experts, "is_transposed", False):
         b1 = getattr(experts, "gate_up_proj_bias", None) if getattr(experts, "has_bias", False) else None
         b2 = getattr(experts, "down_proj_bias", None) if getattr(experts, "has_bias", False) else None
         return experts.gate_up_proj, experts.down_proj, b1, b2
-    if not (experts.is_transposed and not experts.is_concatenated and experts.has_bias):
-        raise NotImplementedError(f"{type(experts).__name__}: weight layout not supported")
-    # gpt-oss layout: convert once, reuse while the parameters are unchanged (same storage and version).
     params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
     cached = experts.__dict__.get(_CACHE_ATTR)
     if torch.compiler.is_compiling():
@@ -141,19 +266,48 @@ def _expert_weights(experts: nn.Module):
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            w1, b1, w2, b2 = gpt_oss_to_fused(*(p.detach() for p in params))
+            w1, b1, w2, b2 = (nn.Parameter(t, requires_grad=False)
+                              for t in gpt_oss_to_fused(*(p.detach() for p in params)))
         cached = (key, (w1, w2, b1, b2))
         experts.__dict__[_CACHE_ATTR] = cached
     return cached[1]
+
+
+def _eager_experts_forward(experts: nn.Module):
+    """The experts class's own forward (transformers' "eager" implementation)."""
+    fn = getattr(type(experts).forward, "__wrapped__", None)
+    if fn is None:  # pragma: no cover - transformers' decorator keeps it via functools.wraps
+        raise NotImplementedError(f"{type(experts).__name__}: transformers' own forward is not reachable")
+    return fn
+
+
+def _experts_verdict(experts: nn.Module, dtype: torch.dtype):
+    """(activation, None) when fusedmoe computes ``experts`` for inputs of ``dtype``, else (None, reason);
+    cached per module, hidden_act and dtype."""
+    key = (getattr(getattr(experts, "config", None), "hidden_act", None), dtype)
+    cache = experts.__dict__.setdefault("_fusedmoe_verdicts", {})
+    verdict = cache.get(key)
+    if verdict is None:
+        reason = experts_unsupported(experts) or _dtype_unsupported(dtype)
+        verdict = (None, reason) if reason is not None else (_activation_of(experts), None)
+        cache[key] = verdict
+    return verdict
 
 
 def fusedmoe_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers experts contract: ``(hidden [T, H], top_k_index [T, k] int, top_k_weights [T, k] or
-    [T, E] dense) -> [T, H]`` in hidden's dtype, computed by fusedmoe (``self`` is the experts module)."""
+    [T, E] dense) -> [T, H]`` in hidden's dtype, computed by fusedmoe (``self`` is the experts module).
+
+    A module fusedmoe cannot compute (float64, or a module changed after the implementation was selected) runs
+    the experts class's own forward instead, with a warning naming the module and the reason."""
+    activation, reason = _experts_verdict(self, hidden_states.dtype)
+    if reason is not None:
+        _warn_once(self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' eager "
+                         "experts", reason)
+        return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
     w1, w2, b1, b2 = _expert_weights(self)
-    activation = _activation_of(self)
     if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights (older DeepSeek-V2 style)
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
     weights = top_k_weights.float()
@@ -162,8 +316,9 @@ def fusedmoe_experts_forward(
     x = hidden_states
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
-    forbid_gradients(f"{type(self).__name__} (experts_implementation='fusedmoe')", hidden_states=hidden_states,
-                     top_k_weights=top_k_weights, **{n: getattr(self, n, None) for n in _EXPERT_PARAMS})
+    if torch.is_grad_enabled():
+        forbid_gradients(f"{type(self).__name__} (experts_implementation='fusedmoe')", hidden_states=hidden_states,
+                         top_k_weights=top_k_weights, **{n: getattr(self, n, None) for n in _EXPERT_PARAMS})
     if torch.compiler.is_compiling():
         out = fused_moe_op(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
                            backend=backend, w1_bias=b1, w2_bias=b2)
@@ -174,98 +329,330 @@ def fusedmoe_experts_forward(
 
 
 # ---- whole-block patching ------------------------------------------------------------------------------------
-class FusedMoEBlock(nn.Module):
-    """Drop-in replacement of a transformers MoE block: ``forward(hidden [B, S, H]) -> [B, S, H]`` (a tuple
-    ``(out, None)`` where the original returned one, as gpt-oss's ``GptOssMLP``), computed by ``self.moe``.
+def _router_of(block: nn.Module, model_type: str) -> nn.Module:
+    return block.router if model_type == "gpt_oss" else block.gate
 
-    ``router_weight``: when the original router computes its logits in float32 from a float32 weight
-    (DeepSeek), that weight (shared), so routing matches in bf16 too.
+
+def _router_logits(router: nn.Module, model_type: str, x: torch.Tensor) -> torch.Tensor:
+    """[T, E] logits exactly as ``router``'s forward computes them (its dtype and precision) from x [T, H]."""
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return F.linear(x.float(), router.weight.float())
+    return F.linear(x, router.weight, router.bias if model_type == "gpt_oss" else None)
+
+
+def _observed(module: nn.Module) -> bool:
+    """Whether a hook (transformers' output recorders for ``output_router_logits``, a user's) may want to see
+    ``module`` run. transformers' own recorder hooks count only while a forward records router logits."""
+    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    if not hooks:
+        return False
+    if any(not _is_output_recorder(h) for h in hooks):
+        return True
+    return _recording("router_logits")
+
+
+def _is_output_recorder(hook) -> bool:
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__name__", None) == "output_capturing_hook")
+
+
+def _recording(key: str) -> bool:
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - another transformers: assume it records
+        return True
+    collected = _active_collector.get()
+    return collected is not None and key in collected
+
+
+class _Patch:
+    """The fusedmoe state of one patched block: its model type, the workspace group and backend, the
+    experts implementation under which the fused path runs, and the FusedMoE layer (built on demand)."""
+
+    def __init__(self, model_type: str, group: _WorkspaceGroup, backend: str, implementation: str | None,
+                 original_class: type, previous_implementation: str | None):
+        self.model_type = model_type
+        self.group = group
+        self.backend = backend
+        self.implementation = implementation
+        self.original_class = original_class
+        self.previous_implementation = previous_implementation
+        self.layer: FusedMoE | None = None
+
+    def __deepcopy__(self, memo):
+        # a copy shares the workspace managers (they serve any number of layers); its layer is rebuilt on the
+        # copied block's own tensors
+        new = _Patch(self.model_type, self.group, self.backend, self.implementation, self.original_class,
+                     self.previous_implementation)
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self):
+        raise TypeError("a model patched by fusedmoe cannot be pickled (its workspace managers hold locks and device "
+                        "memory); save it with save_pretrained / state_dict, or unpatch_model first")
+
+
+class _WorkspaceGroup:
+    """The workspace managers of one patch_model call: the one given or created, and one more per device the
+    model is moved to, each shared by all its blocks."""
+
+    def __init__(self, manager: WorkspaceManager):
+        self.managers = {manager.device: manager}
+
+    def manager_for(self, device: torch.device) -> WorkspaceManager:
+        manager = self.managers.get(device)
+        if manager is None:
+            manager = self.managers[device] = WorkspaceManager(device)
+            workspace_id(manager)
+        return manager
+
+
+def _build_layer(block: nn.Module, patch: _Patch) -> FusedMoE:
+    """A FusedMoE layer (routed experts only) for ``block``, holding no weights of its own: :func:`_sync`
+    points it at the block's."""
+    config = block.experts.config
+    kw = layer_kwargs(config, shared_experts=False)
+    layer = FusedMoE(**kw, device="meta", dtype=torch.float32, workspace=None, backend=patch.backend)
+    _sync(block, patch, layer)
+    return layer
+
+
+def _sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> None:
+    """Point ``layer`` at the block's current tensors (the same Parameter and buffer objects, or gpt-oss's
+    converted copy) and at the workspace manager of their device."""
+    experts = block.experts
+    router = _router_of(block, patch.model_type)
+    w1, w2, b1, b2 = _expert_weights(experts)
+    P = layer._parameters
+    P["w1"], P["w2"], P["gate"] = w1, w2, router.weight
+    if b1 is not None or b2 is not None:
+        P["w1_bias"], P["w2_bias"] = b1, b2
+    if patch.model_type == "gpt_oss":
+        P["gate_bias"] = router.bias
+    if patch.model_type == "deepseek_v3":
+        layer._buffers["e_score_correction_bias"] = router.e_score_correction_bias
+    device = w1.device
+    if layer.workspace is None or layer.workspace.device != device:
+        layer.workspace = patch.group.manager_for(device)
+
+
+def _in_sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> bool:
+    experts = block.experts
+    router = _router_of(block, patch.model_type)
+    P = layer._parameters
+    if patch.model_type == "gpt_oss":
+        w = _expert_weights(experts)
+        if P["w1"] is not w[0] or P["gate_bias"] is not router.bias:
+            return False
+    elif P["w1"] is not experts.gate_up_proj or P["w2"] is not experts.down_proj:
+        return False
+    if patch.model_type == "deepseek_v3" and layer._buffers["e_score_correction_bias"] is not \
+            router.e_score_correction_bias:
+        return False
+    return P["gate"] is router.weight
+
+
+class FusedMoEBlock(nn.Module):
+    """What :func:`patch_model` adds to a transformers MoE block: a patched block's class is
+    ``FusedMoEBlock`` + the original class (same object, same submodules and tensors, so the same state dict).
+
+    Its forward computes the router logits exactly as the original router does (running the router module
+    itself while a hook, e.g. ``output_router_logits``, records it), routes and runs the routed experts in a
+    :class:`fusedmoe.FusedMoE` layer (:attr:`moe`) that holds the block's own weight tensors, and adds the
+    block's own shared experts. It runs the original class's forward instead while the model's experts
+    implementation is not the one set by :func:`patch_model` (after ``set_experts_implementation``), for
+    inputs of a dtype fusedmoe does not compute (float64, with a warning), and for Mixtral's training-mode
+    router jitter. gpt-oss's block returns ``(hidden, None)``: the router scores it returns beside the hidden
+    states are not computed (its decoder layer discards them).
     """
 
-    def __init__(self, moe: FusedMoE, *, router_weight: torch.Tensor | None = None, returns_tuple: bool = False,
-                 original: nn.Module | None = None, model_type: str = ""):
-        super().__init__()
-        self.moe = moe
-        self.returns_tuple = returns_tuple
-        self.model_type = model_type
-        self.router_weight = router_weight
-        self.__dict__["original"] = original  # not a submodule: kept for unpatch_model only
-        # the original's parameters (the weights fusedmoe reads, shared or converted): a forward that would need
-        # their gradient must fail rather than drop it
-        self.__dict__["grad_sources"] = dict(original.named_parameters()) if original is not None else {}
+    @property
+    def moe(self) -> FusedMoE:
+        """The FusedMoE layer computing this block, pointed at the block's current tensors."""
+        patch = self.__dict__["_fusedmoe"]
+        layer = patch.layer
+        if layer is None:
+            layer = patch.layer = _build_layer(self, patch)
+        elif not torch.compiler.is_compiling() and not _in_sync(self, patch, layer):
+            _sync(self, patch, layer)
+        return layer
 
     def extra_repr(self) -> str:
-        return f"model_type={self.model_type!r}"
+        return f"fusedmoe: model_type={self.__dict__['_fusedmoe'].model_type!r}"
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        patch = self.__dict__["_fusedmoe"]
+        if patch.layer is not None:
+            _sync(self, patch, patch.layer)
+        return out
+
+    def _fused_path(self, hidden_states: torch.Tensor) -> bool:
+        patch = self.__dict__["_fusedmoe"]
+        if self.experts.config._experts_implementation != patch.implementation:
+            return False
+        if hidden_states.dtype not in SERVED_DTYPES:
+            _warn_once(self, f"patched {patch.model_type} MoE block runs transformers' forward",
+                       _dtype_unsupported(hidden_states.dtype))
+            return False
+        return not (self.training and getattr(self, "jitter_noise", 0) > 0)
 
     def forward(self, hidden_states: torch.Tensor):
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        logits = None
-        if self.router_weight is not None:
-            logits = F.linear(x.float(), self.router_weight.float())
-        forbid_gradients(f"patched {self.model_type} MoE block", hidden_states=hidden_states,
-                         router_weight=self.router_weight, **self.__dict__["grad_sources"])
-        out = self.moe(x, logits).view(shape)
-        return (out, None) if self.returns_tuple else out
+        if not self._fused_path(hidden_states):
+            return super().forward(hidden_states)
+        patch = self.__dict__["_fusedmoe"]
+        model_type = patch.model_type
+        layer = self.moe
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        router = _router_of(self, model_type)
+        if torch.is_grad_enabled():
+            forbid_gradients(f"patched {model_type} MoE block", hidden_states=hidden_states,
+                             **dict(self.named_parameters()))
+        if _observed(router):
+            logits = router(hidden_states if model_type.startswith("deepseek") else x)[0]
+        else:
+            logits = _router_logits(router, model_type, x)
+        out = layer(x, logits)
+        if model_type == "qwen2_moe":
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = out.view(hidden_states.shape)
+        if model_type in ("deepseek_v2", "deepseek_v3"):
+            out = out + self.shared_experts(hidden_states)
+        return (out, None) if model_type == "gpt_oss" else out
 
 
-def _set_child(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
+_PATCHED_CLASSES: dict[type, type] = {}
+
+
+def _patched_class(cls: type) -> type:
+    new = _PATCHED_CLASSES.get(cls)
+    if new is None:
+        name = f"FusedMoE{cls.__name__}"
+        new = type(name, (FusedMoEBlock, cls), {"__module__": __name__, "__qualname__": name})
+        setattr(sys.modules[__name__], name, new)  # importable by name, as classes are
+        _PATCHED_CLASSES[cls] = new
+    return new
+
+
+def patched_blocks(model: nn.Module) -> list[FusedMoEBlock]:
+    """The blocks of ``model`` that :func:`patch_model` patched."""
+    return [m for m in model.modules() if isinstance(m, FusedMoEBlock)]
+
+
+def _patch_problems(blocks) -> list[str]:
+    problems = []
+    for name, block in blocks:
+        experts = getattr(block, "experts", None)
+        config = getattr(experts, "config", None) or getattr(block, "config", None)
+        where = f"{name} ({type(block).__name__})"
+        if experts is None or config is None:
+            problems.append(f"{where}: no experts module with a transformers config")
+            continue
+        reason = experts_unsupported(experts)
+        if reason is None:
+            try:
+                layer_kwargs(config, shared_experts=False)
+            except NotImplementedError as err:
+                reason = str(err)
+        if reason is not None:
+            problems.append(f"{where}: {reason}")
+    return problems
 
 
 def patch_model(
     model: nn.Module, workspace: WorkspaceManager | None = None, *, backend: str = "auto"
 ) -> WorkspaceManager:
-    """Replace every supported MoE block of ``model`` (see :data:`PATCHABLE_BLOCKS`) by a :class:`FusedMoEBlock`.
+    """Make every supported MoE block of ``model`` (see :data:`PATCHABLE_BLOCKS`) run through fusedmoe
+    (:class:`FusedMoEBlock`), and the model's experts implementation ``"fusedmoe"`` (:func:`register`).
 
     All patched layers share ``workspace`` (a new ``shared`` manager on the model's device when None), which is
-    returned. Weights are shared with the model where the layouts agree (routed experts of every supported
-    model but gpt-oss, routers, shared-expert down projections and gates); gpt-oss's experts are converted
-    once to fusedmoe's layout (a second copy until :func:`unpatch_model`). Patch after moving the model to its
-    final device and dtype. Raises ValueError if the model has no supported MoE block.
+    returned; moving the model to another device gives its blocks one new manager there. No weight is copied
+    (gpt-oss's experts are converted to fusedmoe's layout: a second copy until :func:`unpatch_model`), and the
+    model's modules, parameters, buffers and state-dict names stay transformers' own.
+
+    Raises, before changing anything: ValueError if the model has no supported MoE block or is patched
+    already; NotImplementedError naming every block fusedmoe cannot compute exactly, and why. A float64 model
+    is patched with a warning: its blocks run transformers' code until it is cast to a dtype fusedmoe computes.
     """
+    if patched_blocks(model):
+        raise ValueError(f"{type(model).__name__} is patched already (call unpatch_model first)")
     blocks = [(n, m) for n, m in model.named_modules() if type(m).__name__ in PATCHABLE_BLOCKS]
     if not blocks:
         raise ValueError(
             f"{type(model).__name__} has no MoE block fusedmoe can patch (supported: {sorted(PATCHABLE_BLOCKS)}; "
             "for other models with standard experts use register() and experts_implementation='fusedmoe')"
         )
+    problems = _patch_problems(blocks)
+    if problems:
+        raise NotImplementedError("fusedmoe cannot compute these MoE blocks exactly; the model is left as it "
+                                  "was:\n  " + "\n  ".join(problems))
     if workspace is None:
         workspace = WorkspaceManager(_model_device(model))
     workspace_id(workspace)
-    for name, block in blocks:
+    register()
+    config = blocks[0][1].experts.config
+    previous = config._experts_implementation
+    if hasattr(model, "set_experts_implementation") and model._can_set_experts_implementation():
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    group = _WorkspaceGroup(workspace)
+    implementation = config._experts_implementation
+    for _, block in blocks:
         mt = PATCHABLE_BLOCKS[type(block).__name__]
-        moe = from_hf(block, workspace=workspace, backend=backend)
-        router_weight = None
-        if mt in ("deepseek_v2", "deepseek_v3"):
-            router_weight = block.gate.weight
-        new = FusedMoEBlock(moe, router_weight=router_weight, returns_tuple=mt == "gpt_oss", original=block,
-                            model_type=mt)
-        _set_child(model, name, new)
+        patch = _Patch(mt, group, backend, implementation, type(block), previous)
+        patch.layer = _build_layer(block, patch)
+        block.__dict__["_fusedmoe"] = patch
+        block.__class__ = _patched_class(type(block))
+        block.register_load_state_dict_post_hook(_after_load)
+    reason = _dtype_unsupported(blocks[0][1].experts.gate_up_proj.dtype)
+    if reason is not None and implementation != EXPERTS_IMPLEMENTATION:  # else the selection check warned
+        _warn_once(model, f"patch_model({type(model).__name__}): the patched blocks run transformers' forward",
+                   reason)
     return workspace
+
+
+def _after_load(block: nn.Module, incompatible_keys) -> None:
+    """Load post-hook of patched blocks: re-point the layer at tensors a load replaced or updated in place
+    (gpt-oss's converted copy), so that a compiled forward, which does not check, sees them."""
+    patch = block.__dict__.get("_fusedmoe")
+    if patch is not None and patch.layer is not None:
+        _sync(block, patch, patch.layer)
 
 
 def reserve_workspace(model: nn.Module, max_tokens: int, *, slot: object = None) -> int:
     """Size the shared arena of a patched model for ``max_tokens`` tokens per forward (every patched layer's
     plan), in ``slot`` (default: the current one), e.g. before ``manager.freeze()`` and CUDA-graph capture.
     Returns the arena's capacity in bytes."""
-    blocks = [m for m in model.modules() if isinstance(m, FusedMoEBlock)]
+    blocks = patched_blocks(model)
     if not blocks:
         raise ValueError("the model has no patched MoE block; call patch_model first")
     nbytes = 0
     for b in blocks:
-        nbytes = b.moe.manager.reserve(b.moe.plan(max_tokens), owner=b.moe.owner_key, slot=slot)
+        layer = b.moe
+        nbytes = layer.manager.reserve(layer.plan(max_tokens), owner=layer.owner_key, slot=slot)
     return nbytes
 
 
 def unpatch_model(model: nn.Module) -> int:
-    """Put back the original blocks replaced by :func:`patch_model`; returns how many."""
-    patched = [(n, m) for n, m in model.named_modules() if isinstance(m, FusedMoEBlock)]
-    for name, block in patched:
-        _set_child(model, name, block.original)
-    return len(patched)
+    """Undo :func:`patch_model`: the blocks get their original classes back (nothing else of them changed) and
+    the model the experts implementation it had before, unless another was set since. Returns how many blocks."""
+    blocks = patched_blocks(model)
+    for block in blocks:
+        patch = block.__dict__.pop("_fusedmoe")
+        block.__class__ = patch.original_class
+        hooks = block._load_state_dict_post_hooks
+        for key in [k for k, h in hooks.items() if h is _after_load]:
+            del hooks[key]
+    if blocks:
+        patch_config = blocks[0].experts.config
+        previous = patch.previous_implementation
+        if (patch_config._experts_implementation == patch.implementation != previous
+                and hasattr(model, "set_experts_implementation") and model._can_set_experts_implementation()):
+            model.set_experts_implementation(previous)
+    return len(blocks)
 
 
 assert set(PATCHABLE_BLOCKS.values()) == set(SUPPORTED_MODEL_TYPES)

@@ -35,6 +35,8 @@ __all__ = [
     "from_hf_state_dict",
     "fused_to_gpt_oss",
     "gpt_oss_to_fused",
+    "hf_activation",
+    "HF_ACTIVATIONS",
     "layer_kwargs",
     "load_safetensors",
     "per_expert_to_fused",
@@ -42,7 +44,18 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss")
 
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+#: transformers ``hidden_act`` values -> the fusedmoe activation computing the same function: SiLU, GELU with
+#: the tanh approximation ("gelu"), exact (erf) GELU ("gelu_exact").
+HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu",
+    "gelu_new": "gelu",
+    "gelu_fast": "gelu",
+    "gelu_python_tanh": "gelu",
+    "gelu": "gelu_exact",
+    "gelu_python": "gelu_exact",
+}
 
 
 def _attr(config, *names, default=None):
@@ -53,17 +66,25 @@ def _attr(config, *names, default=None):
     return default
 
 
+def hf_activation(hidden_act: object) -> str:
+    """The fusedmoe activation of a transformers ``hidden_act``; NotImplementedError naming it if there is none."""
+    if hidden_act not in HF_ACTIVATIONS:
+        raise NotImplementedError(
+            f"fusedmoe has no kernel for hidden_act={hidden_act!r} (supported: {sorted(HF_ACTIVATIONS)})"
+        )
+    return HF_ACTIVATIONS[hidden_act]
+
+
 def _activation(config) -> str:
-    act = getattr(config, "hidden_act", "silu")
-    if act not in _ACTIVATIONS:
-        raise NotImplementedError(f"fusedmoe has no kernel for hidden_act={act!r} (supported: {sorted(_ACTIVATIONS)})")
-    return _ACTIVATIONS[act]
+    return hf_activation(getattr(config, "hidden_act", "silu"))
 
 
-def layer_kwargs(config) -> dict:
+def layer_kwargs(config, *, shared_experts: bool = True) -> dict:
     """FusedMoE constructor arguments (sizes, routing, shared experts, biases) for a transformers config.
 
-    Raises NotImplementedError for a model type or setting fusedmoe does not reproduce exactly.
+    ``shared_experts=False``: the routed experts only (no shared-expert settings or checks), for callers that
+    run the model's own shared-expert modules. Raises NotImplementedError for a model type or setting fusedmoe
+    does not reproduce exactly.
     """
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
@@ -75,7 +96,7 @@ def layer_kwargs(config) -> dict:
     if mt in ("qwen3_moe", "qwen2_moe"):
         kw.update(intermediate_size=config.moe_intermediate_size, scoring="softmax",
                   renormalize=bool(config.norm_topk_prob), activation=_activation(config))
-        if mt == "qwen2_moe" and getattr(config, "shared_expert_intermediate_size", 0):
+        if shared_experts and mt == "qwen2_moe" and getattr(config, "shared_expert_intermediate_size", 0):
             kw.update(num_shared_experts=1, shared_intermediate_size=config.shared_expert_intermediate_size,
                       shared_expert_gate=True)
     elif mt in ("mixtral", "olmoe"):
@@ -83,7 +104,7 @@ def layer_kwargs(config) -> dict:
         kw.update(intermediate_size=config.intermediate_size, scoring="softmax", renormalize=renorm,
                   activation=_activation(config))
     elif mt in ("deepseek_v2", "deepseek_v3"):
-        if getattr(config, "mlp_bias", False):
+        if shared_experts and getattr(config, "mlp_bias", False):
             raise NotImplementedError("DeepSeek shared experts with mlp_bias=True are not supported")
         kw.update(intermediate_size=config.moe_intermediate_size, activation=_activation(config),
                   routed_scaling_factor=float(config.routed_scaling_factor))
@@ -99,7 +120,7 @@ def layer_kwargs(config) -> dict:
             if config.n_group is not None:
                 kw.update(num_expert_groups=config.n_group, topk_groups=config.topk_group)
         n_shared = getattr(config, "n_shared_experts", 0) or 0
-        if n_shared:
+        if shared_experts and n_shared:
             kw.update(num_shared_experts=1, shared_intermediate_size=config.moe_intermediate_size * n_shared)
     else:  # gpt_oss
         alpha = getattr(config, "swiglu_alpha", SWIGLUOAI_ALPHA)
