@@ -92,10 +92,11 @@ class ExpertParallelKernel(MoEKernel):
     skip_empty = False
 
     def __call__(self, x: ExpertsInputs, p: MoEProblem, *, manager: WorkspaceManager, owner: object = None,
-                 workspace13: torch.Tensor | None = None, workspace2: torch.Tensor | None = None) -> torch.Tensor:
+                 workspace13: torch.Tensor | None = None, workspace2: torch.Tensor | None = None,
+                 layout_key=None) -> torch.Tensor:
         if workspace13 is not None or workspace2 is not None:
             raise ValueError("expert parallelism takes its scratch from a WorkspaceManager, not caller tensors")
-        return super().__call__(x, p, manager=manager, owner=owner)
+        return super().__call__(x, p, manager=manager, owner=owner, layout_key=layout_key)
 
 
 __all__ = ["ExpertParallelKernel", "TorchDistributedTransport", "Transport"]
@@ -197,18 +198,21 @@ class LayerParallel:
         cap = self.cap(num_tokens, layer.w1.device, collective=False)
         return self.kernel(backend, cap).plan(layer.problem(num_tokens, dtype))
 
-    def forward(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def static(self) -> bool:
+        """Whether the kernel of a problem is fixed (no per-call collective sizes it), so a layer may cache it."""
+        return self.transport is None or self.max_tokens_per_rank is not None
+
+    def kernel_for(self, layer, p, device: torch.device) -> MoEKernel:
+        """The kernel that runs the layer's validated problem ``p`` (one max-reduce over the ranks first when
+        ``max_tokens_per_rank`` is not configured). Raises ValueError when its experts cannot run ``p``."""
         from .api import resolve_backend
 
-        backend = resolve_backend(layer.backend, x.device)
-        cap = self.cap(x.shape[0], x.device)
-        kernel = self.kernel(backend, cap)
-        p = layer.problem(x.shape[0], x.dtype)
+        kernel = self.kernel(resolve_backend(layer.backend, device), self.cap(p.M, device))
         reason = kernel.experts.supports(kernel.prepare_finalize.problem(p))
         if reason is not None:
             raise ValueError(f"backend {kernel.experts.name!r} cannot run this problem: {reason}")
-        inputs = ExpertsInputs(x, layer.w1, layer.w2, topk_weights, topk_ids, expert_map=layer.expert_map)
-        return kernel(inputs, p, manager=layer.manager, owner=layer.owner_key)
+        return kernel
 
 
 __all__ += ["LayerParallel"]

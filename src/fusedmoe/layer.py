@@ -202,7 +202,7 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
-        if self._parallel is None and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
             verdict, sig = self._verdict(hidden_states, router_logits)
             if verdict is not None:
                 return self._run_validated(verdict, sig, hidden_states, router_logits)
@@ -239,9 +239,8 @@ class FusedMoE(nn.Module):
             router_logits = F.linear(x, P["gate"], P["gate_bias"])
         topk_weights, topk_ids = router(router_logits.reshape(p.M, self.num_experts),
                                         self._buffers.get("e_score_correction_bias"))
-        inputs = ExpertsInputs(x, P["w1"], P["w2"], topk_weights, topk_ids, w1_bias=P["w1_bias"],
-                               w2_bias=P["w2_bias"])
-        out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
+        out = kernel(self._inputs(x, topk_weights, topk_ids), p, manager=manager, owner=self.owner_key,
+                     layout_key=sig)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(hidden_states.shape)
@@ -311,9 +310,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
         self._forbid_gradients(x, router_logits)
         topk_weights, topk_ids = self.route(x, router_logits)
-        if self._parallel is not None:  # expert parallelism or the batched layout (fusedmoe.distributed)
-            out = self._parallel.forward(self, x, topk_weights, topk_ids)
-        elif torch.compiler.is_compiling():  # opaque registered op (fusedmoe.op); eager keeps the direct call
+        if torch.compiler.is_compiling() and self._parallel is None:
+            # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op
 
             out = fused_moe_op(x, self.w1, self.w2, topk_weights, topk_ids, activation=self.activation,
@@ -322,12 +320,11 @@ class FusedMoE(nn.Module):
                                w2_bias=self.w2_bias, owner=self.owner_key)
         else:
             p = self.problem(x.shape[0], x.dtype)
-            kernel, manager = resolve(p, x.device, self.backend, self.workspace)
-            inputs = ExpertsInputs(x, self.w1, self.w2, topk_weights, topk_ids, w1_bias=self.w1_bias,
-                                   w2_bias=self.w2_bias)
+            kernel, manager = self._resolve(p, x.device)
             key, sig = self._key(hidden_states, router_logits)
-            out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
-            if key is not None:
+            out = kernel(self._inputs(x, topk_weights, topk_ids), p, manager=manager, owner=self.owner_key,
+                         layout_key=sig)
+            if key is not None and (self._parallel is None or self._parallel.static):
                 if len(self._verdicts) > 1024:  # bounded under shape churn
                     self._verdicts.clear()
                 self._verdicts[key] = (p, kernel, manager, self._router(router_logits if router_logits is not None
@@ -335,6 +332,18 @@ class FusedMoE(nn.Module):
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+    def _resolve(self, p: MoEProblem, device: torch.device):
+        """(kernel, workspace manager) of a validated problem: the backend's standard kernel, or the expert-parallel /
+        batched kernel of :class:`~fusedmoe.distributed.LayerParallel` (whose token bound may need a collective)."""
+        if self._parallel is None:
+            return resolve(p, device, self.backend, self.workspace)
+        return self._parallel.kernel_for(self, p, device), self.manager
+
+    def _inputs(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> ExpertsInputs:
+        P, B = self._parameters, self._buffers
+        return ExpertsInputs(x, P["w1"], P["w2"], topk_weights, topk_ids, expert_map=B.get("expert_map"),
+                             w1_bias=P["w1_bias"], w2_bias=P["w2_bias"])
 
     @classmethod
     def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:
