@@ -67,16 +67,10 @@ def test_bf16_equivalence(arch, mode):
         assert err < 5 * BF16_TOL, f"{err:.4f} from the unpatched model: more than a few flipped tokens explain"
 
 
-@pytest.mark.parametrize("mode", ["patch", "register"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_block_equivalence(arch, mode):
-    """Every replaced module (the MoE block with ``patch_model``, the experts module with the registered
-    implementation), fed the very inputs it had in the unpatched bf16 model, gives that model's output:
-    relative error < 2e-2. Fixed inputs keep near-tie routing flips of earlier layers out of the comparison."""
-    ids = prompt(device=DEV)
-    ref_model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
-    model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
-    _use_fusedmoe(model, mode)
+def _replaced_modules_match(model, ref_model, mode, ids, tol=BF16_TOL):
+    """Every module fusedmoe replaced in ``model`` (the MoE block with ``patch_model``, the experts module with
+    the registered implementation), fed the very inputs it had in ``ref_model``, gives that model's output
+    (relative error < tol). Fixed inputs keep near-tie routing flips of earlier layers out of the comparison."""
     replaced = hf.experts_modules(model) if mode == "register" else []
     names = [n for n, m in model.named_modules() if isinstance(m, hf.FusedMoEBlock) or any(m is r for r in replaced)]
     captured = {}
@@ -100,7 +94,93 @@ def test_bf16_block_equivalence(arch, mode):
         with torch.no_grad():
             got = model.get_submodule(name)(*args, **kwargs)
         err = relative_error(first(got), first(expected))
-        assert err < BF16_TOL, f"{name}: {err:.4f}"
+        assert err < tol, f"{name}: {err:.4f}"
+
+
+@pytest.mark.parametrize("mode", ["patch", "register"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_block_equivalence(arch, mode):
+    """Every replaced module, fed the very inputs it had in the unpatched bf16 model, gives that model's output:
+    relative error < 2e-2."""
+    ids = prompt(device=DEV)
+    ref_model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
+    model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
+    _use_fusedmoe(model, mode)
+    _replaced_modules_match(model, ref_model, mode, ids)
+
+
+@pytest.mark.parametrize("mode", ["patch", "register"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_router_logits_and_aux_loss(arch, mode):
+    """output_router_logits on the GPU: as many router logits as the unpatched model records (transformers
+    5.17's DeepSeek-V2 records none), the first layer's bit-identical (identical inputs), the load-balancing
+    loss within what a few flipped tokens move (it counts tokens per expert)."""
+    ids = prompt(device=DEV)
+    ref = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
+    model = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
+    manager = _use_fusedmoe(model, mode)
+    kw = dict(labels=ids, output_router_logits=True)
+    with torch.no_grad():
+        out, expected = model(ids, **kw), ref(ids, **kw)
+    assert manager.stats.calls > 0
+    got_logits, want_logits = out.router_logits or (), expected.router_logits or ()
+    assert len(got_logits) == len(want_logits)
+    if want_logits:
+        assert torch.equal(got_logits[0], want_logits[0])
+        for got, want in zip(got_logits, want_logits):
+            assert relative_error(got, want) < 5 * BF16_TOL
+    assert (getattr(out, "aux_loss", None) is None) == (getattr(expected, "aux_loss", None) is None)
+    if getattr(expected, "aux_loss", None) is not None:
+        assert relative_error(out.aux_loss, expected.aux_loss) < 5 * BF16_TOL
+
+
+def test_patched_model_follows_device_and_dtype_casts():
+    """Patched on the CPU, moved to the GPU (Triton, a new workspace manager there shared by every block), cast
+    to bf16, moved back: each time the patched model computes the tensors it now has."""
+    ids = prompt()
+    model, ref = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    manager = hf.patch_model(model)
+    cpu_logits = _logits(model, ids)
+    model.to(DEV)
+    ref.to(DEV)
+    assert relative_error(_logits(model, ids.to(DEV)), _logits(ref, ids.to(DEV))) < 1e-4
+    layers = [b.moe for b in hf.patched_blocks(model)]
+    assert len({id(layer.workspace) for layer in layers}) == 1
+    gpu_manager = layers[0].workspace
+    assert gpu_manager is not manager and gpu_manager.device.type == "cuda" and gpu_manager.stats.calls > 0
+    assert resolve_backend(layers[0].backend, layers[0].w1.device) == "triton"
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    _replaced_modules_match(model, ref, "patch", ids.to(DEV))
+    model.to("cpu", torch.float32)
+    assert relative_error(_logits(model, ids), cpu_logits) < 1e-2  # bf16 rounding of the weights
+    assert all(b.moe.workspace is manager for b in hf.patched_blocks(model))
+
+
+@pytest.mark.parametrize("mode", ["patch", "register"])
+@pytest.mark.parametrize("arch,overrides", [
+    ("deepseek_v3", dict(n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=8)),
+    ("deepseek_v3", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
+    ("deepseek_v2", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
+], ids=["v3-test-config", "v3-k3-of-2", "v2-k3-of-2"])
+def test_deepseek_top_k_beyond_kept_groups_on_gpu(arch, overrides, mode):
+    """float32 on the GPU: fusedmoe routes these on the torch path (not the routing kernel) as transformers."""
+    ids = prompt(device=DEV)
+    ref = tiny_model(arch, device=DEV, **overrides)
+    model = tiny_model(arch, device=DEV, **overrides)
+    manager = _use_fusedmoe(model, mode)
+    assert relative_error(_logits(model, ids), _logits(ref, ids)) < 1e-4
+    assert manager.stats.calls > 0
+
+
+@pytest.mark.parametrize("mode", ["patch", "register"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_exact_gelu_models(arch, mode):
+    ids = prompt(device=DEV)
+    ref_model = tiny_model(arch, dtype=torch.bfloat16, device=DEV, hidden_act="gelu")
+    model = tiny_model(arch, dtype=torch.bfloat16, device=DEV, hidden_act="gelu")
+    _use_fusedmoe(model, mode)
+    _replaced_modules_match(model, ref_model, mode, ids)
 
 
 def test_fp32_greedy_tokens_on_gpu():

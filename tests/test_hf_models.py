@@ -197,3 +197,77 @@ def test_patch_model_given_workspace_and_unpatch_idempotent():
     assert mgr.stats.calls == model.config.num_hidden_layers
     assert hf.unpatch_model(model) == model.config.num_hidden_layers
     assert hf.unpatch_model(model) == 0
+
+
+def test_patched_model_deepcopy_and_pickle():
+    """A deep copy is a patched model of its own tensors sharing the workspace manager; pickling is refused
+    with a clear error (save the state dict instead)."""
+    import pickle
+
+    model = tiny_model("qwen2_moe")
+    manager = hf.patch_model(model)
+    ids = prompt()
+    expected = _logits(model, ids)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(0.5)
+    calls = manager.stats.calls
+    assert not torch.equal(_logits(clone, ids), expected)  # the copy computes its own tensors
+    assert manager.stats.calls > calls  # through the shared manager
+    assert torch.equal(_logits(model, ids), expected)
+    assert all(b.moe.w1 is b.experts.gate_up_proj for b in hf.patched_blocks(clone))
+    with pytest.raises(TypeError, match="save_pretrained"):
+        pickle.dumps(model)
+    hf.unpatch_model(model)
+    pickle.dumps(model)
+
+
+def test_router_hooks_see_the_router_run():
+    """A user's hook on a patched block's router sees the router run, with the logits the block routes on."""
+    ref = tiny_model("deepseek_v3")
+    model = copy.deepcopy(ref)
+    hf.patch_model(model)
+    seen, expected = [], []
+    model.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[0]))
+    ref.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: expected.append(out[0]))
+    ids = prompt()
+    assert relative_error(_logits(model, ids), _logits(ref, ids)) < TOL
+    assert len(seen) == len(expected) == 1 and torch.equal(seen[0], expected[0])
+
+
+def test_manual_parameter_replacement_is_picked_up():
+    model = tiny_model("mixtral")
+    hf.patch_model(model)
+    ids = prompt()
+    _logits(model, ids)
+    other = tiny_model("mixtral", seed=3)
+    model.load_state_dict({k: v for k, v in other.state_dict().items() if ".mlp." not in k}, strict=False)
+    for layer, src in zip(model.model.layers, other.model.layers):  # the MoE weights: new Parameter objects
+        layer.mlp.experts.gate_up_proj = torch.nn.Parameter(src.mlp.experts.gate_up_proj.detach().clone())
+        layer.mlp.experts.down_proj = torch.nn.Parameter(src.mlp.experts.down_proj.detach().clone())
+        layer.mlp.gate.weight = torch.nn.Parameter(src.mlp.gate.weight.detach().clone())
+    model.requires_grad_(False)
+    assert relative_error(_logits(model, ids), _logits(other, ids)) < TOL
+
+
+def test_mixtral_training_jitter_runs_transformers_forward():
+    """In training mode with router jitter the patched block runs the original forward (transformers' noise),
+    under no_grad; with gradients the experts refuse them."""
+    from fusedmoe.checks import GradientNotSupportedError
+
+    ref = tiny_model("mixtral", router_jitter_noise=0.1)
+    model = copy.deepcopy(ref)
+    manager = hf.patch_model(model)
+    ids = prompt()
+    ref.train()
+    model.train()
+    calls = manager.stats.calls
+    outs = []
+    for m in (ref, model):
+        torch.manual_seed(5)
+        outs.append(_logits(m, ids))
+    assert relative_error(outs[1], outs[0]) < TOL
+    assert manager.stats.calls == calls  # not the patched path
+    with pytest.raises(GradientNotSupportedError):
+        model(ids).logits.sum()

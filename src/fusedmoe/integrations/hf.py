@@ -402,11 +402,12 @@ class _WorkspaceGroup:
 
     def __init__(self, manager: WorkspaceManager):
         self.managers = {manager.device: manager}
+        self.strategy = manager.strategy
 
     def manager_for(self, device: torch.device) -> WorkspaceManager:
         manager = self.managers.get(device)
         if manager is None:
-            manager = self.managers[device] = WorkspaceManager(device)
+            manager = self.managers[device] = WorkspaceManager(device, strategy=self.strategy)
             workspace_id(manager)
         return manager
 
