@@ -271,3 +271,22 @@ def test_mixtral_training_jitter_runs_transformers_forward():
     assert manager.stats.calls == calls  # not the patched path
     with pytest.raises(GradientNotSupportedError):
         model(ids).logits.sum()
+
+
+def test_patch_model_refuses_what_it_would_not_run():
+    """A block whose forward is replaced on the instance (as accelerate's hooks do) and quantized expert
+    weights are refused at patch time, naming the module; the model is left as it was."""
+    model = tiny_model("olmoe")
+    block = model.model.layers[1].mlp
+    block.forward = block.forward  # an instance-level forward shadows the class's
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.1\.mlp \(OlmoeSparseMoeBlock\).*instance"):
+        hf.patch_model(model)
+    assert not hf.patched_blocks(model) and model.config._experts_implementation != "fusedmoe"
+    del block.forward
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().to(torch.float8_e4m3fn),
+                                              requires_grad=False)
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp .*float8_e4m3fn"):
+        hf.patch_model(model)
+    with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts .*float8_e4m3fn"):
+        model.set_experts_implementation("fusedmoe")

@@ -112,6 +112,9 @@ def experts_unsupported(experts: nn.Module) -> str | None:
         return "ungated experts are not supported"
     if getattr(experts, "_is_expert_parallel", False):
         return "transformers' expert parallelism is not supported (use fusedmoe's ep_group)"
+    dtype = getattr(getattr(experts, "gate_up_proj", None), "dtype", None)
+    if dtype is not None and dtype not in (*SERVED_DTYPES, torch.float64):
+        return f"expert weights of dtype {dtype} (quantized) are not supported through transformers"
     standard = getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
     gpt_oss = (getattr(experts, "is_transposed", False) and not getattr(experts, "is_concatenated", True)
                and getattr(experts, "has_bias", False))
@@ -554,6 +557,9 @@ def _patch_problems(blocks) -> list[str]:
             problems.append(f"{where}: no experts module with a transformers config")
             continue
         reason = experts_unsupported(experts)
+        if reason is None and "forward" in block.__dict__:
+            reason = ("its forward is replaced on the instance (e.g. by an accelerate hook), which would bypass "
+                      "the patch: patch before dispatching, or use experts_implementation='fusedmoe'")
         if reason is None:
             try:
                 layer_kwargs(config, shared_experts=False)
