@@ -11,6 +11,7 @@ from .ops import launcher
 from .ops.launcher import UNSEEN, Replays
 from .prepare_finalize.base import PrepareFinalize
 from .problem import MoEProblem
+from .route_stage import ROUTED, route_buffers, route_step
 from .steps import Call, Program
 from .workspace.manager import Workspace, WorkspaceManager, caller_workspace, current_stream
 from .workspace.plan import WorkspacePlan
@@ -19,7 +20,8 @@ from .workspace.plan import WorkspacePlan
 def _roots(x: ExpertsInputs) -> tuple[torch.Tensor | None, ...]:
     """The per-call tensors a recorded trace addresses (the output follows them)."""
     return (x.hidden_states, x.w1, x.w2, x.topk_weights, x.topk_ids, x.expert_map, x.expert_num_tokens,
-            x.w1_scale, x.w2_scale, x.a1_scale, x.a2_scale, x.w1_bias, x.w2_bias)
+            x.w1_scale, x.w2_scale, x.a1_scale, x.a2_scale, x.w1_bias, x.w2_bias, x.router_logits,
+            x.correction_bias)
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -76,8 +78,13 @@ class MoEKernel:
         key = (p, launch)
         hit = self._programs.get(key)
         if hit is None:
-            prog = Program(pf.prepare_steps(p), ex.steps(inner, launch), pf.finalize_steps(p),
-                           [*pf.buffers(p), *ex.buffers(inner, launch)], pf.exports(p))
+            prepare, buffers, exports = pf.prepare_steps(p), [*pf.buffers(p), *ex.buffers(inner, launch)], \
+                tuple(pf.exports(p))
+            if p.routing is not None and p.M > 0:
+                if prepare:
+                    raise ValueError(f"{type(pf).__name__} routes outside the kernel: give it topk_weights/topk_ids")
+                prepare, buffers, exports = [route_step], [*route_buffers(p), *buffers], (*ROUTED, *exports)
+            prog = Program(prepare, ex.steps(inner, launch), pf.finalize_steps(p), buffers, exports)
             if len(self._programs) > 4096:  # bound the cache under adversarial shape churn
                 self._programs.clear()
             hit = self._programs[key] = (prog, inner)

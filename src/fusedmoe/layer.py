@@ -14,9 +14,10 @@ from .checks import check_activation, forbid_gradients, positive_int
 from .experts.base import ExpertsInputs
 from .ops import launcher
 from .ops.launcher import UNSEEN, Replays
-from .problem import MoEProblem
+from .problem import MoEProblem, Routing
 from .reference import activation_reference
-from .routing import _fused_kernel_supports, route
+from .route_stage import fused_routing_applies
+from .routing import route
 from .signature import input_signature
 from .workspace.manager import WorkspaceManager, current_stream, default_manager
 from .workspace.plan import WorkspacePlan
@@ -176,6 +177,8 @@ class FusedMoE(nn.Module):
             activation=self.activation,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
             has_bias=self.w1_bias is not None or self.w2_bias is not None,
+            routing=None if self._parallel is not None else Routing(
+                **self.routing, has_correction_bias=self.e_score_correction_bias is not None),
         )
 
     def plan(self, num_tokens: int, dtype: torch.dtype | None = None) -> WorkspacePlan:
@@ -237,10 +240,12 @@ class FusedMoE(nn.Module):
         x = hidden_states.reshape(p.M, p.H)
         if router_logits is None:
             router_logits = F.linear(x, P["gate"], P["gate_bias"])
-        topk_weights, topk_ids = router(router_logits.reshape(p.M, self.num_experts),
-                                        self._buffers.get("e_score_correction_bias"))
-        out = kernel(self._inputs(x, topk_weights, topk_ids), p, manager=manager, owner=self.owner_key,
-                     layout_key=sig)
+        logits = router_logits.reshape(p.M, self.num_experts)
+        if router is None:  # the kernel routes (a problem with routing)
+            inputs = self._inputs(x, logits=logits)
+        else:
+            inputs = self._inputs(x, *router(logits, self._buffers.get("e_score_correction_bias")))
+        out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(hidden_states.shape)
@@ -251,9 +256,7 @@ class FusedMoE(nn.Module):
         on CUDA, when the fused routing kernel serves these settings, its launch recorded once and replayed
         (see :mod:`fusedmoe.ops.launcher`); :meth:`route`'s :func:`~fusedmoe.routing.route` otherwise."""
         E, k, R = self.num_experts, self.top_k, self.routing
-        groups, kept_groups = R["num_expert_groups"], R["topk_groups"]
-        if not (example.is_cuda and _fused_kernel_supports(E, k, groups)
-                and (groups is None or k <= kept_groups * (E // groups))):
+        if not (example.is_cuda and fused_routing_applies(E, k, R["num_expert_groups"], R["topk_groups"])):
             return lambda logits, bias: self.route(logits, router_logits=logits)
         from .ops.routing import route_fused
 
@@ -309,11 +312,11 @@ class FusedMoE(nn.Module):
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
         self._forbid_gradients(x, router_logits)
-        topk_weights, topk_ids = self.route(x, router_logits)
         if torch.compiler.is_compiling() and self._parallel is None:
             # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op
 
+            topk_weights, topk_ids = self.route(x, router_logits)
             out = fused_moe_op(x, self.w1, self.w2, topk_weights, topk_ids, activation=self.activation,
                                apply_router_weight_on_input=self.apply_router_weight_on_input,
                                workspace=self.workspace, backend=self.backend, w1_bias=self.w1_bias,
@@ -322,13 +325,18 @@ class FusedMoE(nn.Module):
             p = self.problem(x.shape[0], x.dtype)
             kernel, manager = self._resolve(p, x.device)
             key, sig = self._key(hidden_states, router_logits)
-            out = kernel(self._inputs(x, topk_weights, topk_ids), p, manager=manager, owner=self.owner_key,
-                         layout_key=sig)
+            if p.routing is not None:  # the kernel routes: its first step turns the logits into the top-k
+                logits = router_logits if router_logits is not None else F.linear(x, self.gate, self.gate_bias)
+                inputs, router = self._inputs(x, logits=logits.reshape(p.M, self.num_experts)), None
+            else:
+                topk_weights, topk_ids = self.route(x, router_logits)
+                inputs = self._inputs(x, topk_weights, topk_ids)
+                router = self._router(router_logits if router_logits is not None else x)
+            out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
             if key is not None and (self._parallel is None or self._parallel.static):
                 if len(self._verdicts) > 1024:  # bounded under shape churn
                     self._verdicts.clear()
-                self._verdicts[key] = (p, kernel, manager, self._router(router_logits if router_logits is not None
-                                                                        else x))
+                self._verdicts[key] = (p, kernel, manager, router)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(shape)
@@ -340,10 +348,13 @@ class FusedMoE(nn.Module):
             return resolve(p, device, self.backend, self.workspace)
         return self._parallel.kernel_for(self, p, device), self.manager
 
-    def _inputs(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> ExpertsInputs:
+    def _inputs(self, x: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                topk_ids: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> ExpertsInputs:
+        """The kernel's inputs: routed (``topk_*``) or, for a problem with ``routing``, the router logits."""
         P, B = self._parameters, self._buffers
         return ExpertsInputs(x, P["w1"], P["w2"], topk_weights, topk_ids, expert_map=B.get("expert_map"),
-                             w1_bias=P["w1_bias"], w2_bias=P["w2_bias"])
+                             w1_bias=P["w1_bias"], w2_bias=P["w2_bias"], router_logits=logits,
+                             correction_bias=B.get("e_score_correction_bias") if logits is not None else None)
 
     @classmethod
     def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:

@@ -41,6 +41,29 @@ class Layout(Enum):
 
 
 @dataclass(frozen=True)
+class Routing:
+    """Router settings of a call that routes inside the kernel (:func:`fusedmoe.routing.route`'s keywords).
+
+    The router logits ``[M, E]`` (and the correction bias ``[E]`` when ``has_correction_bias``) arrive as inputs;
+    the program's first step writes ``topk_weights`` float32 / ``topk_ids`` int32 ``[M, top_k]`` into workspace
+    buffers that the experts read (:mod:`fusedmoe.route_stage`).
+    """
+
+    scoring: str = "softmax"
+    renormalize: bool = True
+    num_expert_groups: int | None = None
+    topk_groups: int | None = None
+    routed_scaling_factor: float = 1.0
+    has_correction_bias: bool = False
+
+    def kwargs(self) -> dict:
+        """The keywords of :func:`fusedmoe.routing.route` (all but the correction bias)."""
+        return {"scoring": self.scoring, "renormalize": self.renormalize,
+                "num_expert_groups": self.num_expert_groups, "topk_groups": self.topk_groups,
+                "routed_scaling_factor": self.routed_scaling_factor}
+
+
+@dataclass(frozen=True)
 class MoEProblem:
     """Everything a plan or a kernel config may depend on; hashable, so plans are cached per problem.
 
@@ -57,6 +80,8 @@ class MoEProblem:
         max_tokens_per_expert: batched layout only: rows per expert in the batched buffers.
         has_bias: expert biases are given (w1_bias [E, 2I] added to GEMM1's output before the activation,
             w2_bias [E, H] added to GEMM2's output before the routing weight).
+        routing: None when the caller routes (topk_weights / topk_ids are inputs); else the router settings
+            of a call that routes inside the kernel from router logits.
     """
 
     M: int
@@ -73,6 +98,7 @@ class MoEProblem:
     quant: QuantConfig | None = None
     max_tokens_per_expert: int = 0
     has_bias: bool = False
+    routing: Routing | None = None
 
     __hash__ = hash_once  # the problem keys several caches on every call
     __getstate__ = state_without_hash

@@ -8,9 +8,9 @@ Reported per path and per M:
   default) and through Triton's generic launcher (``FUSEDMOE_REPLAY=0``), plus ``fused_moe_op`` (the
   registered op that ``torch.compile`` sees; eager callers pay its dispatch only if they call it);
 - the stages of a forward, each timed alone on the same inputs: the checked validation (what a call costs
-  without a cached verdict), the verdict lookup (input signature + dict), the router linear, routing, the
-  plan lookup, the workspace arena, the output allocation, and every kernel launch of the recorded trace
-  (``launch <kernel>``: its compiled launcher alone). ``raw launches`` is their sum: the floor of a call that
+  without a cached verdict), the verdict lookup (input signature + dict), the router linear, the plan lookup,
+  the workspace arena, the output allocation, and every kernel launch of the layer's recorded trace, routing
+  included (``launch <kernel>``: its compiled launcher alone). ``raw launches`` is their sum: the floor of a call that
   makes these launches; ``forward / raw`` is the overhead factor;
 - device time per call (CUDA graph replay), to set host time against;
 - the batched layout (``FusedMoE(layout="batched")``) and, with gloo on the CPU, the expert-parallel layer of
@@ -31,13 +31,11 @@ import torch.nn.functional as F
 
 from ..api import fused_moe
 from ..checks import check_fused_moe_args
-from ..experts.base import ExpertsInputs
 from ..kernel import _roots, _stream
 from ..layer import FusedMoE
 from ..op import fused_moe_op
 from ..ops import launcher
 from ..presets import Preset, get_preset
-from ..signature import input_signature
 from ..workspace.manager import WorkspaceManager
 from . import report
 
@@ -136,19 +134,20 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
     stage("checked validation", lambda: check_fused_moe_args(
         *args, activation="silu", apply_router_weight_on_input=False, expert_map=None, global_num_experts=None,
         quant=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None), "per call without a verdict")
-    key, _ = layer._key(x, None)
+    key, sig = layer._key(x, None)
     stage("verdict lookup", lambda: layer._verdicts.get(layer._key(x, None)[0]), "input signature + dict")
     stage("router linear", lambda: F.linear(x, layer.gate, layer.gate_bias))
-    verdict = layer._verdicts[key]
-    p, kernel, manager, router = verdict
-    stage("routing", lambda: router(logits, None))
+    p, kernel, manager, router = layer._verdicts[key]
+    if router is not None:  # routing outside the kernel (parallel layers)
+        stage("routing", lambda: router(logits, None))
+        inputs = layer._inputs(x, w, ids)
+    else:  # the kernel routes: its routing launch is one of the launches below
+        inputs = layer._inputs(x, logits=logits)
     stage("plan lookup", lambda: kernel.program(p))
     plan = kernel.program(p)[0].plan
     stage("workspace arena", lambda: manager.arena_for(plan, layer.owner_key))
     stage("output alloc", lambda: torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device))
-    inputs = ExpertsInputs(x, layer.w1, layer.w2, w, ids)
-    stage("ExpertsInputs", lambda: ExpertsInputs(x, layer.w1, layer.w2, w, ids))
-    sig = input_signature(x, None, layer.w1, layer.w2, layer.gate, None, None, None, None, None)
+    stage("ExpertsInputs", lambda: layer._inputs(x, logits=logits))
     trace = kernel.traces.get((kernel.program(p)[0], sig))
     if isinstance(trace, launcher.Trace):
         out = torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device)

@@ -21,6 +21,8 @@ class ExpertsInputs:
     Batched layout: ``hidden_states`` [E_local, max_tokens, H] and ``expert_num_tokens`` int32 [E_local] on the
     device (``topk_*`` then belong to finalize).
     ``expert_map``: int32 [global_E] or None. Scales as passed to ``fused_moe``.
+    ``router_logits`` [M, E] / ``correction_bias`` [E]: only for a problem with ``routing`` (the kernel routes;
+    ``topk_*`` are then None until its routing step fills them).
     """
 
     hidden_states: torch.Tensor
@@ -36,6 +38,8 @@ class ExpertsInputs:
     a2_scale: torch.Tensor | None = None
     w1_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    router_logits: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         """Every field by name (the tensors a component hands to the next)."""

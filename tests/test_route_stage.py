@@ -1,0 +1,74 @@
+"""Routing inside the kernel: a local FusedMoE hands its router logits to the kernel, whose first step writes the
+top-k into two planned, exported workspace buffers. These tests check the plan (lifetimes derived from the
+steps), that the result equals routing outside the kernel for every routing family, under poison and on a
+shared arena, and that the routing launch joins the layer's recorded trace on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedmoe import FusedMoE, WorkspaceManager, fused_moe, route
+from fusedmoe.api import get_kernel
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+E, K, H, I = 8, 2, 32, 16
+FAMILIES = {
+    "softmax-renorm": dict(scoring="softmax", renormalize=True),
+    "sigmoid-groups-bias": dict(scoring="sigmoid", renormalize=True, num_expert_groups=4, topk_groups=2,
+                                routed_scaling_factor=2.5, correction_bias=True),
+    "softmax-topk": dict(scoring="softmax_topk"),
+    "softmax-groups": dict(scoring="softmax", renormalize=False, num_expert_groups=2, topk_groups=1,
+                           routed_scaling_factor=16.0),
+}
+
+
+def _layer(family: str, backend: str, workspace=None) -> FusedMoE:
+    torch.manual_seed(0)
+    layer = FusedMoE(E, K, H, I, dtype=torch.float32, device=DEV, backend=backend, workspace=workspace,
+                     **FAMILIES[family])
+    if layer.e_score_correction_bias is not None:
+        layer.e_score_correction_bias.normal_()
+    return layer
+
+
+def test_the_routed_buffers_live_from_the_first_step_to_the_last_expert_step():
+    layer = _layer("softmax-renorm", "torch")
+    p = layer.problem(5)
+    assert p.routing is not None
+    prog = get_kernel("torch").program(p)[0]
+    assert prog.steps[0].name == "route_step"
+    experts_end = prog.segments[1][-1]
+    for name in ("topk_weights", "topk_ids"):
+        spec = next(b for b in prog.plan.buffers if b.name == name)
+        assert (spec.first, spec.last) == (0, experts_end)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("poison", [False, True])
+def test_routing_in_the_kernel_equals_routing_outside(family, backend, poison):
+    mgr = WorkspaceManager(DEV, poison=poison)
+    layer = _layer(family, backend, mgr)
+    settings = {k: v for k, v in FAMILIES[family].items() if k != "correction_bias"}
+    for m in (1, 7):
+        x = torch.randn(m, H, device=DEV)
+        logits = x @ layer.gate.T
+        w, ids = route(logits, K, correction_bias=layer.e_score_correction_bias, **settings)
+        want = fused_moe(x, layer.w1, layer.w2, w, ids, backend=backend, workspace=mgr)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer(x, router_logits=logits), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_the_routing_launch_joins_the_layer_trace():
+    torch.manual_seed(0)
+    layer = FusedMoE(16, 4, 256, 128, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    p = layer.problem(3, torch.bfloat16)
+    kernel = get_kernel("triton")
+    key = layer._key(x, None)[1]
+    trace = kernel.traces.get((kernel.program(p)[0], key))
+    assert [name for name, _ in trace.parts()] == ["_route_kernel", "_align_pairs", "_moe_gemm1", "_moe_gemm2",
+                                                   "_moe_reduce"]
