@@ -1,6 +1,7 @@
-"""Test setup: run Triton kernels under the CPU interpreter when there is no GPU.
+"""Test setup: run Triton kernels under the CPU interpreter when there is no GPU, and skip ``gpu`` tests there.
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` decorator runs, i.e. before fusedmoe is imported.
+A property checked on both devices is one test parametrized over tests/devices.py's device lists.
 """
 
 import os
@@ -33,7 +34,3 @@ def _seed():
     torch.manual_seed(0)
     yield
 
-
-@pytest.fixture
-def device():
-    return torch.device("cuda" if _HAS_CUDA else "cpu")

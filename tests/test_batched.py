@@ -1,8 +1,10 @@
 """Batched layout on one rank with the torch batched experts: vs the float64 reference, poison equality (NaN in
-every workspace byte, padded rows included, gives bit-identical output), capacity caps, edge cases."""
+every workspace byte, padded rows included, gives bit-identical output) on the CPU and on CUDA, capacity caps,
+edge cases."""
 
 import pytest
 import torch
+from devices import tolerance
 
 from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.experts.batched_torch_experts import BatchedTorchExperts
@@ -35,7 +37,7 @@ def _run(x, w1, w2, tw, ids, *, activation="silu", on_input=False, emap=None, ca
     pf = BatchedPrepareFinalize(cap, check_capacity=check)
     kernel = MoEKernel(pf, BatchedTorchExperts())
     assert kernel.plan(p).zero_nbytes == 0
-    mgr = WorkspaceManager("cpu", poison=poison)
+    mgr = WorkspaceManager(x.device, poison=poison)
     out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap), p, manager=mgr)
     assert mgr.stats.bytes_zeroed == 0
     return out, pf
@@ -53,14 +55,22 @@ CASES = [
     (6, 32, 16, 1, 1, "gelu", False),  # one expert
     (5, 16, 16, 8, 1, "silu", False),  # experts with no tokens
 ]
+#: (device, dtype, case): the small cases in float32 on the CPU, a model-sized one in bf16 on CUDA
+DEVICE_CASES = [pytest.param("cpu", torch.float32, c, id=f"cpu-M{c[0]}-{c[5]}-{'in' if c[6] else 'out'}")
+                for c in CASES]
+DEVICE_CASES.append(pytest.param("cuda", torch.bfloat16, (64, 1024, 512, 16, 4, "silu", False),
+                                 marks=pytest.mark.gpu, id="cuda-bf16-M64"))
 
 
-@pytest.mark.parametrize("M,H,I,E,k,activation,on_input", CASES)
-def test_batched_torch_vs_reference_and_poison(M, H, I, E, k, activation, on_input):
-    x, w1, w2, tw, ids = _case(M, H, I, E, k, seed=M)
+@pytest.mark.parametrize("device,dtype,case", DEVICE_CASES)
+def test_batched_torch_vs_reference_and_poison(device, dtype, case):
+    M, H, I, E, k, activation, on_input = case
+    x, w1, w2, tw, ids = (t.to(device) for t in _case(M, H, I, E, k, seed=M))
+    x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
     out, _ = _run(x, w1, w2, tw, ids, activation=activation, on_input=on_input)
+    assert out.dtype == dtype and out.device.type == device
     ref = _ref(x, w1, w2, tw, ids, activation=activation, apply_router_weight_on_input=on_input)
-    assert relative_error(out, ref) < 1e-5
+    assert relative_error(out, ref) < tolerance(dtype)
     poisoned, _ = _run(x, w1, w2, tw, ids, activation=activation, on_input=on_input, poison=True)
     assert torch.equal(out, poisoned)
 

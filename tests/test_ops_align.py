@@ -1,4 +1,5 @@
-"""Alignment op (CPU interpreter): invariants and exact agreement with the torch reference."""
+"""Alignment op: invariants and exact agreement with the torch reference (CPU interpreter; model-sized batches on
+CUDA)."""
 
 import pytest
 import torch
@@ -221,3 +222,14 @@ def test_align_deterministic_across_regimes(monkeypatch):
     (_, (s0, b0, n0)), *rest = out
     for _, (s, b, n) in rest:
         assert int(n) == int(n0) and torch.equal(b, b0) and torch.equal(s[: int(n)], s0[: int(n0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,E,k", [(1, 128, 8), (1024, 128, 8), (4096, 256, 8), (3000, 1024, 4)])
+def test_align_large_on_cuda(M, E, k):
+    """Model-sized batches on the GPU: the same order as the torch reference, and as many blocks as planned."""
+    ids = torch.rand(M, E, device="cuda").argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    s, b, n = moe_align(ids, E, 64)
+    rs, rb, rn = align_reference(ids.cpu(), E, 64)
+    assert int(n) == int(rn) and torch.equal(b.cpu(), rb) and torch.equal(s[: int(n)].cpu(), rs[: int(n)])
+    assert align_params(M * k, E, 64).max_blocks == b.numel()

@@ -1,16 +1,16 @@
-"""The two-launch decode path (no alignment, top-k reduce in registers) against the float64 reference."""
-
-import os
+"""The two-launch decode path (no alignment, top-k reduce in registers) against the float64 reference: the op on
+the CPU (Triton interpreter) and on CUDA, the Triton experts taking it when the switch is on (poisoned, every
+activation), and on CUDA an expert-mapped call under CUDA-graph replay."""
 
 import pytest
 import torch
+from devices import TRITON_DEVICES, interpreter, tolerance
+from hardening_util import decode_path
 
+import fusedmoe
+from fusedmoe.api import get_kernel
 from fusedmoe.ops.decode import MAX_DECODE_SLOTS, decode_supported, moe_decode
 from fusedmoe.reference import fused_moe_reference, relative_error
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(), reason="needs Triton"
-)
 
 
 def _problem(M, E, k, H, I, device, ids=None):
@@ -33,6 +33,7 @@ def _run(x, w1, w2, w, ids, *, emap=None, gE=None, activation="silu", on_input=F
     return out
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("on_input", [False, True])
 @pytest.mark.parametrize("M,E,k", [(1, 8, 2), (2, 4, 4), (3, 6, 1), (1, 1, 1)])
@@ -44,6 +45,7 @@ def test_decode_matches_reference(M, E, k, activation, on_input, device):
     assert relative_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_decode_expert_map_and_invalid_ids(device):
     """Non-local experts and out-of-range ids contribute nothing; a token with no local slot is exactly 0."""
     x, w1, w2, w, _ = _problem(3, 4, 2, 40, 24, device)
@@ -62,20 +64,62 @@ def test_decode_supported_bounds():
     assert not decode_supported(8, "fp8_token", "silu", False) and not decode_supported(8, None, "silu", True)
 
 
-def test_triton_experts_use_the_decode_path_when_enabled(device):
-    """With the switch on, a decode-sized call plans only ``act`` and still matches the reference (poisoned)."""
-    import fusedmoe
-    from fusedmoe.api import get_kernel, set_decode_path
-    from fusedmoe.ops import decode
+#: (device, dtype, M, E, k, H, I): a tiny float32 problem on the CPU, the qwen3-30b-a3b shape in bf16 on CUDA
+LAYER_CASES = [pytest.param("cpu", torch.float32, 2, 8, 4, 40, 24, marks=interpreter, id="cpu-M2")]
+LAYER_CASES += [pytest.param("cuda", torch.bfloat16, M, 128, 8, 2048, 768, marks=pytest.mark.gpu, id=f"cuda-M{M}")
+                for M in (1, 2)]
 
-    was = decode.ENABLED
-    set_decode_path(True)
-    try:
-        x, w1, w2, w, ids = _problem(2, 8, 4, 40, 24, device)
-        p = fusedmoe.MoEProblem(2, 40, 24, 8, 8, 4, torch.float32, torch.float32)
-        assert [b.name for b in get_kernel("triton").plan(p).buffers] == ["act"]
-        mgr = fusedmoe.WorkspaceManager(device, poison=True)
-        out = fusedmoe.fused_moe(x, w1, w2, w, ids, backend="triton", workspace=mgr)
-        assert relative_error(out, fused_moe_reference(x, w1, w2, w, ids)) < 1e-5
-    finally:
-        set_decode_path(was)
+
+@pytest.mark.parametrize("device,dtype,M,E,k,H,I", LAYER_CASES)
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_triton_experts_use_the_decode_path_when_enabled(device, dtype, M, E, k, H, I, activation):
+    """With the switch on, a decode-sized call plans only ``act`` (no alignment, no [M*k, H] buffer), gives the
+    same bits with the arena poisoned as zero-filled, and matches the reference."""
+    g = torch.Generator(device=device).manual_seed(M)
+    x = torch.randn(M, H, device=device, generator=g).to(dtype)
+    w1 = (torch.randn(E, 2 * I, H, device=device, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=device, generator=g) / I**0.5).to(dtype)
+    w, ids = fusedmoe.route(torch.randn(M, E, device=device, generator=g), k)
+    with decode_path(True):
+        p = fusedmoe.MoEProblem(M, H, I, E, E, k, dtype, dtype, activation=activation)
+        assert {b.name for b in get_kernel("triton").plan(p).buffers} == {"act"}
+        clean, dirty = (fusedmoe.fused_moe(x, w1, w2, w, ids, activation=activation, backend="triton",
+                                           workspace=fusedmoe.WorkspaceManager(device, strategy=s, poison=poison))
+                        for s, poison in (("alloc_zeros", False), ("shared", True)))
+    assert torch.equal(clean, dirty)
+    ref = fused_moe_reference(x, w1, w2, w, ids, activation=activation)
+    assert relative_error(clean, ref) < tolerance(dtype)
+
+
+@pytest.mark.gpu
+def test_decode_path_expert_map_and_graph_replay():
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    E, H, I = 32, 2048, 768
+    x = torch.randn(1, H, device=dev, dtype=torch.bfloat16, generator=g)
+    w1 = (torch.randn(E, 2 * I, H, device=dev, generator=g) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device=dev, generator=g) / I**0.5).bfloat16()
+    emap = torch.full((128,), -1, dtype=torch.int32, device=dev)
+    emap[::4] = torch.arange(32, dtype=torch.int32, device=dev)
+    mgr = fusedmoe.WorkspaceManager(dev)
+    logits = torch.randn(1, 128, device=dev)
+
+    def call():
+        w, ids = fusedmoe.route(logits, 8)
+        return fusedmoe.fused_moe(x, w1, w2, w, ids, expert_map=emap, global_num_experts=128, workspace=mgr)
+
+    with decode_path(True):
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s), mgr.slot("g"):
+            call()
+            mgr.freeze()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=s):
+                out = call()
+        for seed in range(3):
+            logits.copy_(torch.randn(1, 128, device=dev, generator=torch.Generator(dev).manual_seed(seed)))
+            graph.replay()
+            torch.cuda.synchronize()
+            w, ids = fusedmoe.route(logits, 8)
+            ref = fused_moe_reference(x, w1, w2, w, ids, expert_map=emap, global_num_experts=128)
+            assert relative_error(out, ref) < 2e-2

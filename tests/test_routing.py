@@ -1,5 +1,6 @@
-"""Tests of fusedmoe.routing.route: hand-worked examples per scoring mode, cross-checks against the
-transformers routers, M = 0, meta tensors (no value reads) and every validation error."""
+"""Tests of fusedmoe.routing.route: hand-worked examples per scoring mode, the output contract on the CPU and on
+CUDA (where route() takes the Triton kernel), cross-checks against the transformers routers, M = 0, meta
+tensors (no value reads) and every validation error."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import pytest
 import torch
+from devices import DEVICES
 
 from fusedmoe.routing import ROUTING_PRESETS, route
 
@@ -218,6 +220,7 @@ def _materialize(kw, E, device="cpu"):
     return kw
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kw", ALL_MODES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_output_contract(kw, device):
     E, k = 32, 6

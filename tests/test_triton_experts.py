@@ -1,34 +1,39 @@
-"""TritonExperts end to end on the CPU interpreter: float32 and fp8 vs the float64 reference, edge cases,
-and poison equality (NaN / 0x7F in every workspace byte gives bit-identical output)."""
-
-import os
+"""TritonExperts end to end, on the CPU (Triton interpreter, float32/float16, tiny shapes and pinned small tiles)
+and on CUDA (float32 and bf16; plus every preset's shape and CUDA-graph replay): vs the float64 reference in
+float and every fp8 mode, edge cases, and poison equality (NaN / 0x7F in every workspace byte gives
+bit-identical output)."""
 
 import pytest
 import torch
+from devices import INTERPRETING, TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpreter, tolerance
 
 from fusedmoe import LocalPrepareFinalize, MoEKernel
 from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.experts.triton_experts import TritonExperts
 from fusedmoe.ops.configs import MoEConfig, pinned_config
+from fusedmoe.presets import PRESETS
 from fusedmoe.problem import MoEProblem
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.workspace.manager import WorkspaceManager
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU-interpreter tests; the GPU runs tests/test_gpu_triton.py"
-)
-
+#: small tiles keep the interpreter fast; on a GPU the tuned tables decide
 PIN = MoEConfig.simple(16, 32, 32)
+
+#: activation dtype per device for the fp8 cases (the interpreter has no bf16)
+ACT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
 @pytest.fixture(autouse=True)
 def _pin():
+    if not INTERPRETING:
+        yield
+        return
     with pinned_config(PIN):
         yield
 
 
-def _case(M, H, I, E, k, *, gE=None, ids=None, quant=None, seed=0):
+def _case(M, H, I, E, k, *, device="cpu", dtype=torch.float32, gE=None, ids=None, quant=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     gE = gE or E
     x = torch.randn(M, H, generator=g)
@@ -38,13 +43,16 @@ def _case(M, H, I, E, k, *, gE=None, ids=None, quant=None, seed=0):
         ids = (torch.stack([torch.randperm(gE, generator=g)[:k] for _ in range(M)]).int() if M
                else torch.empty(0, k, dtype=torch.int32))
     tw = torch.rand(M, k, generator=g) + 0.1
+    x, w1, w2 = (t.to(device, dtype) for t in (x, w1, w2))
+    ids, tw = ids.to(device), tw.to(device)
     q = QuantConfig.parse(quant)
     kw = {}
     if q is not None:
         w1, w2, s1, s2 = quantize_weights(w1, w2, q)
         kw = dict(w1_scale=s1, w2_scale=s2)
         if q.static_activation_scale:
-            kw.update(a1_scale=torch.tensor([3.0 / 448]), a2_scale=torch.tensor([1.0 / 448]))
+            kw.update(a1_scale=torch.tensor([3.0 / 448], device=device),
+                      a2_scale=torch.tensor([1.0 / 448], device=device))
     return x, w1, w2, tw, ids, q, kw
 
 
@@ -60,12 +68,13 @@ def _run(x, w1, w2, tw, ids, q, kw, *, activation="silu", on_input=False, emap=N
     kernel = MoEKernel(LocalPrepareFinalize(), ex)
     assert kernel.plan(p).zero_nbytes == 0
     out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p,
-                 manager=WorkspaceManager("cpu", strategy=strategy, poison=poison))
+                 manager=WorkspaceManager(x.device, strategy=strategy, poison=poison))
     ref = fused_moe_reference(x, w1, w2, tw, ids, activation=activation, apply_router_weight_on_input=on_input,
                               expert_map=emap, global_num_experts=gE, quant=q, **kw)
     return out, ref
 
 
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize(
     "M,H,I,E,k,activation,on_input",
     [
@@ -77,58 +86,75 @@ def _run(x, w1, w2, tw, ids, q, kw, *, activation="silu", on_input=False, emap=N
         (20, 32, 16, 8, 2, "silu", False),  # experts with no tokens (E > slots per expert)
     ],
 )
-def test_fp32_matches_reference(M, H, I, E, k, activation, on_input):
-    out, ref = _run(*_case(M, H, I, E, k), activation=activation, on_input=on_input)
-    assert relative_error(out, ref) < 1e-5
+def test_matches_reference(M, H, I, E, k, activation, on_input, device, dtype):
+    out, ref = _run(*_case(M, H, I, E, k, device=device, dtype=dtype), activation=activation, on_input=on_input)
+    assert out.dtype == dtype and out.device.type == device
+    assert relative_error(out, ref) < tolerance(dtype)
 
 
-def test_all_tokens_on_one_expert():
+@interpreter
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_float16_matches_reference_on_the_interpreter(activation):
+    out, ref = _run(*_case(13, 40, 24, 4, 2, dtype=torch.float16), activation=activation)
+    assert out.dtype == torch.float16
+    assert relative_error(out, ref) < tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_all_tokens_on_one_expert(device, dtype):
     ids = torch.full((12, 2), 3, dtype=torch.int32)
     ids[:, 1] = 1
-    out, ref = _run(*_case(12, 40, 24, 4, 2, ids=ids))
-    assert relative_error(out, ref) < 1e-5
+    out, ref = _run(*_case(12, 40, 24, 4, 2, ids=ids, device=device, dtype=dtype))
+    assert relative_error(out, ref) < tolerance(dtype)
 
 
-def test_expert_map_and_out_of_range_ids():
-    emap = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32)
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_expert_map_and_out_of_range_ids(device, dtype):
+    emap = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32, device=device)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(-3, 11, (11, 3), generator=g, dtype=torch.int32)
     ids[0] = torch.tensor([0, 2, 5])  # a token with no local slot -> zero row
-    x, w1, w2, tw, ids, q, kw = _case(11, 40, 24, 4, 3, ids=ids)
+    x, w1, w2, tw, ids, q, kw = _case(11, 40, 24, 4, 3, ids=ids, device=device, dtype=dtype)
     out, ref = _run(x, w1, w2, tw, ids, q, kw, emap=emap)
-    assert relative_error(out, ref) < 1e-5
-    assert torch.equal(out[0], torch.zeros(40))
+    assert relative_error(out, ref) < tolerance(dtype)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
     # no map: ids in [E, global_E) and outside [0, global_E) are non-local
     out, ref = _run(x, w1, w2, tw, ids, q, kw, gE=8)
-    assert relative_error(out, ref) < 1e-5
+    assert relative_error(out, ref) < tolerance(dtype)
 
 
-def test_m_zero():
-    out, ref = _run(*_case(0, 40, 24, 4, 2))
-    assert out.shape == (0, 40)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_m_zero(device):
+    out, ref = _run(*_case(0, 40, 24, 4, 2, device=device))
+    assert out.shape == (0, 40) and out.device.type == device
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("quant", ["fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block"])
-def test_fp8_matches_reference(quant):
-    emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32)
-    out, ref = _run(*_case(10, 40, 24, 4, 2, gE=6, quant=quant), emap=emap)
-    assert relative_error(out, ref) < 6e-2
-    out, ref = _run(*_case(10, 40, 24, 4, 2, quant=quant), on_input=True, activation="gelu")
-    assert relative_error(out, ref) < 6e-2
+def test_fp8_matches_reference(quant, device):
+    dtype = ACT_DTYPE[device]
+    emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32, device=device)
+    out, ref = _run(*_case(10, 40, 24, 4, 2, gE=6, quant=quant, device=device, dtype=dtype), emap=emap)
+    assert relative_error(out, ref) < tolerance(dtype, quantized=True)
+    case = _case(10, 40, 24, 4, 2, quant=quant, device=device, dtype=dtype)
+    out, ref = _run(*case, on_input=True, activation="gelu")
+    assert relative_error(out, ref) < tolerance(dtype, quantized=True)
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("quant", [None, "fp8_tensor", "fp8_token", "fp8_block"])
-def test_poison_bit_identical(quant):
-    emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32)
+def test_poison_bit_identical(quant, device):
+    emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32, device=device)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(-2, 8, (9, 2), generator=g, dtype=torch.int32)
-    case = _case(9, 40, 24, 4, 2, ids=ids, quant=quant)
+    case = _case(9, 40, 24, 4, 2, ids=ids, quant=quant, device=device, dtype=ACT_DTYPE[device])
     clean, _ = _run(*case, emap=emap, strategy="alloc_zeros")
     dirty, _ = _run(*case, emap=emap, poison=True)
     assert torch.isfinite(clean).all()
     assert torch.equal(clean, dirty)
 
 
+@interpreter
 def test_multi_program_alignment_path(monkeypatch):
     """The two-launch alignment (its planned histogram buffer poisoned too) inside the whole layer."""
     import fusedmoe.ops.align as align
@@ -151,6 +177,7 @@ def test_multi_program_alignment_path(monkeypatch):
         clear()
 
 
+@interpreter
 def test_plan_is_pure_and_aliases():
     kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
     p = MoEProblem(64, 2048, 768, 128, 128, 8, torch.float32, torch.float32)
@@ -164,6 +191,7 @@ def test_plan_is_pure_and_aliases():
     assert all(s.zero is None for s in plan.buffers)
 
 
+@interpreter
 def test_supports_reasons():
     ex = TritonExperts()
     bf = MoEProblem(4, 32, 16, 4, 4, 2, torch.bfloat16, torch.bfloat16)
@@ -172,3 +200,127 @@ def test_supports_reasons():
     assert isinstance(ex.supports(mixed), str)
     fp8 = MoEProblem(4, 32, 16, 4, 4, 2, torch.float32, torch.float32, quant=QuantConfig("fp8_token"))
     assert isinstance(ex.supports(fp8), str)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA only: every preset's shape (bf16 and the fp8 modes) and CUDA-graph replay on a frozen shared arena
+# ----------------------------------------------------------------------------------------------------
+
+DEV = "cuda"
+MS = (1, 3, 64, 777, 4096)
+#: local experts kept per preset (an EP slice keeps memory and reference time sane); routing is over all.
+MAX_LOCAL = {"qwen3-235b-a22b": 32, "deepseek-v3": 32, "qwen3-30b-a3b": 128}
+_WEIGHTS: dict = {}
+
+
+def _preset_weights(name, E, H, I, quant):
+    key = (name, E, quant)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        g = torch.Generator(device=DEV).manual_seed(0)
+        w1 = torch.randn(E, 2 * I, H, device=DEV, generator=g, dtype=torch.bfloat16) / H**0.5
+        w2 = torch.randn(E, H, I, device=DEV, generator=g, dtype=torch.bfloat16) / I**0.5
+        kw = {}
+        q = QuantConfig.parse(quant)
+        if q is not None:
+            w1, w2, s1, s2 = quantize_weights(w1, w2, q)
+            kw = dict(w1_scale=s1, w2_scale=s2)
+            if q.static_activation_scale:
+                kw.update(a1_scale=torch.tensor([4.0 / 448], device=DEV),
+                          a2_scale=torch.tensor([0.5 / 448], device=DEV))
+        _WEIGHTS[key] = (w1, w2, q, kw)
+    return _WEIGHTS[key]
+
+
+def _preset_inputs(M, H, gE, k, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(M, H, device=DEV, generator=g, dtype=torch.bfloat16)
+    ids = torch.rand(M, gE, device=DEV, generator=g).argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    tw = torch.rand(M, k, device=DEV, generator=g) + 0.05
+    return x, ids, tw
+
+
+def _preset_problem(M, H, I, E, gE, k, w1, q, emap):
+    return MoEProblem(M, H, I, E, gE, k, torch.bfloat16, w1.dtype, "silu", False, emap is not None, q)
+
+
+def _slice_map(E, gE):
+    if E == gE:
+        return None
+    m = torch.full((gE,), -1, dtype=torch.int32, device=DEV)
+    m[torch.randperm(gE, generator=torch.Generator().manual_seed(3))[:E].to(DEV)] = torch.arange(
+        E, dtype=torch.int32, device=DEV)
+    return m
+
+
+PRESET_CASES = [(name, "bf16", M) for name in PRESETS for M in MS]
+PRESET_CASES += [("qwen3-30b-a3b", qm, M) for qm in ("fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block")
+                 for M in (1, 64, 777)]
+PRESET_CASES += [("deepseek-v3", "fp8_block", M) for M in (3, 777)] + [("mixtral-8x7b", "fp8_token", 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype,M", PRESET_CASES)
+def test_preset_vs_reference(name, dtype, M):
+    pr = PRESETS[name]
+    gE, k, H, I = pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size
+    E = min(pr.experts_on_gpu, MAX_LOCAL.get(name, pr.experts_on_gpu))
+    w1, w2, q, kw = _preset_weights(name, E, H, I, None if dtype == "bf16" else dtype)
+    emap = _slice_map(E, gE)
+    x, ids, tw = _preset_inputs(M, H, gE, k, seed=M)
+    p = _preset_problem(M, H, I, E, gE, k, w1, q, emap)
+    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
+    assert kernel.unsupported(p) is None
+    out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p,
+                 manager=WorkspaceManager(DEV, poison=True))
+    ref = fused_moe_reference(x, w1, w2, tw, ids, expert_map=emap, global_num_experts=gE, quant=q, **kw)
+    if ref.norm() == 0:  # an EP slice may own none of the chosen experts
+        assert (out == 0).all()
+    else:
+        assert relative_error(out, ref) < tolerance(torch.bfloat16, quantized=q is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, "fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("M", [1, 200])
+def test_poison_eager_and_cuda_graph(quant, M):
+    name = "qwen3-30b-a3b"
+    pr = PRESETS[name]
+    E, k, H, I = 64, pr.top_k, pr.hidden_size, pr.intermediate_size
+    gE = 128
+    w1, w2, q, kw = _preset_weights(name + "-slice", E, H, I, quant)
+    emap = _slice_map(E, gE)
+    p = _preset_problem(M, H, I, E, gE, k, w1, q, emap)
+    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
+    plan = kernel.plan(p)
+
+    def eager(x, ids, tw, mgr):
+        return kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p, manager=mgr)
+
+    a = _preset_inputs(M, H, gE, k, seed=1)
+    clean = eager(*a, WorkspaceManager(DEV, strategy="alloc_zeros"))
+    assert torch.isfinite(clean).all()
+    assert torch.equal(clean, eager(*a, WorkspaceManager(DEV, poison=True)))
+
+    mgr = WorkspaceManager(DEV, strategy="shared", poison=True)
+    mgr.reserve(plan)
+    mgr.freeze()
+    x_s, ids_s, tw_s = (t.clone() for t in a)
+    out_s = torch.empty(M, H, device=DEV, dtype=torch.bfloat16)
+    ws = mgr.acquire(plan)  # poisoned before capture; the graph itself fills nothing
+    inputs = ExpertsInputs(x_s, w1, w2, tw_s, ids_s, expert_map=emap, **kw)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernel.run(inputs, p, ws, out_s)  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.run(inputs, p, ws, out_s)
+    b = _preset_inputs(M, H, gE, k, seed=2)
+    for dst, src in zip((x_s, ids_s, tw_s), b):
+        dst.copy_(src)
+    ws.views["y"].fill_(float("nan"))  # stale garbage between replays must not matter
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_s, eager(*b, WorkspaceManager(DEV, strategy="alloc_zeros")))
