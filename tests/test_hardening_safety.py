@@ -170,8 +170,12 @@ def case(name: str) -> tuple[dict, dict]:
     return a, kw
 
 
+#: NaN/Inf inputs are the point of these cases: the Triton interpreter's numpy math warns about them (a GPU is
+#: silent), and only those warnings are expected
+_NONFINITE = pytest.mark.filterwarnings("ignore:invalid value encountered in (multiply|matmul|reduce):RuntimeWarning")
 CASES = ["negative_ids", "too_large_ids", "all_ids_invalid", "int64_ids_in_int32_range", "garbage_expert_map",
-         "map_int32_extremes", "nan_hidden", "nan_weights", "nan_logits"]
+         "map_int32_extremes", pytest.param("nan_hidden", marks=_NONFINITE),
+         pytest.param("nan_weights", marks=_NONFINITE), "nan_logits"]
 
 
 def dirty_rows(a: dict) -> torch.Tensor:
