@@ -17,6 +17,7 @@ def test_step_sizes_mix_decode_and_prefill():
     assert all(1 <= m <= 8192 for m in sizes)
 
 
+@pytest.mark.slow
 def test_decode_bench_properties_cpu():
     """shared holds exactly the largest single-layer plan, per_layer the sum over layers; after warm-up
     neither allocates; alloc_* allocate once per layer call; every eager strategy gives the same output."""

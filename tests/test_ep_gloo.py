@@ -76,6 +76,7 @@ def _check(out):
             assert bad_err > 1e-2, f"{tag}: a mis-mapped shard went unnoticed"
 
 
+@pytest.mark.slow
 def test_ep_world2():
     triton = os.environ.get("TRITON_INTERPRET") == "1"
     configs = [("standard", "torch", None, 0), ("batched", "torch", 8, 1)]
@@ -84,6 +85,7 @@ def test_ep_world2():
     _check(_spawn(2, configs))
 
 
+@pytest.mark.slow
 def test_ep_world4():
     _check(_spawn(4, [("standard", "torch", None, 4), ("batched", "torch", None, 5)]))
 
@@ -143,6 +145,7 @@ def _fp8_worker(rank, world, init_file, modes, queue):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton experts on CPU need the interpreter")
 def test_ep_world2_fp8_rows_and_scales_on_the_wire():
     """fp8 per-token and 128-block modes send fp8 rows plus their row scales (the plan's send buffer is fp8)

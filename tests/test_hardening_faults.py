@@ -26,6 +26,13 @@ _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
 # (backend, Triton decode path on?): with the decode path on, calls of <= 16 slots take its two launches
 BACKENDS = [pytest.param("torch", False, id="torch"), pytest.param("triton", False, id="triton", marks=_interp),
             pytest.param("triton", True, id="triton-decode", marks=_interp)]
+
+
+def _slow(params, ids):
+    """``params`` with the ones named in ``ids`` also marked slow."""
+    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow]) if p.id in ids else p
+            for p in params]
+
 H, I, E, K = 40, 24, 4, 2
 
 
@@ -121,7 +128,7 @@ def inject(monkeypatch, backend: str, after: int = 0) -> list:
 
 @pytest.mark.parametrize("strategy", ["shared", "per_layer"])
 @pytest.mark.parametrize("poison", [False, True], ids=["plain", "poison"])
-@pytest.mark.parametrize("backend,decode", BACKENDS)
+@pytest.mark.parametrize("backend,decode", _slow(BACKENDS, {"triton-decode"}))
 def test_failure_inside_the_experts_after_scratch_was_written(backend, decode, poison, strategy, monkeypatch):
     with decode_path(decode):
         _failure_inside_the_experts(backend, poison, strategy, monkeypatch)
@@ -160,7 +167,7 @@ def _failure_with_caller_workspaces(backend, monkeypatch):
     assert_recovers(WorkspaceManager("cpu"), backend, workspace13=ws13, workspace2=ws2)
 
 
-@pytest.mark.parametrize("backend,decode", BACKENDS)
+@pytest.mark.parametrize("backend,decode", _slow(BACKENDS, {"triton", "triton-decode"}))
 def test_failure_in_the_middle_of_a_layer_stack(backend, decode, monkeypatch):
     """Layer 3 of 6 fails mid-call; the next forward of the whole stack equals the one before the failure."""
     with decode_path(decode):

@@ -180,6 +180,7 @@ def test_torch_experts_match_reference(c):
     check(c)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETING, reason="the Triton interpreter profile runs on CPU")
 @settings(max_examples=120, **COMMON)
 @given(c=problems("triton", shapes=[(32, 16), (40, 24)], max_m=10))

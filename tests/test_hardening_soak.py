@@ -91,6 +91,7 @@ def reserve_all(mgr: WorkspaceManager, layers, max_m: int) -> None:
     mgr.reserve(*[layer.plan(max_m) for layer in layers])
 
 
+@pytest.mark.slow
 def test_cpu_soak_shared_arena_torch_experts(one_thread):
     """300 steps x 48 layers (4 different plans), M in [0, 512], poisoned shared arena, frozen after reserve."""
     mgr = WorkspaceManager("cpu", strategy="shared", poison=True)
@@ -111,6 +112,7 @@ def test_cpu_soak_shared_arena_torch_experts(one_thread):
     assert mgr.stats.poison_fills == mgr.stats.calls
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETING, reason="the Triton interpreter version runs on CPU")
 def test_cpu_soak_shared_arena_triton_experts(one_thread):
     """The same contract for the Triton experts under the interpreter (kept short: 8 layers x 6 steps)."""

@@ -111,6 +111,7 @@ def _overlap(a, b) -> bool:
     return a1 > a0 and b1 > b0 and a0 < b1 and b0 < a1
 
 
+@pytest.mark.slow
 def test_plan_invariant_over_the_whole_grid():
     """For every combination: (a) every buffer's lifetime is exactly the span of the steps naming it (exports also
     span the experts' steps, zeroed buffers start at step 0); (b) no two buffers live at the same time share a

@@ -154,6 +154,7 @@ def test_poison_bit_identical(quant, device):
     assert torch.equal(clean, dirty)
 
 
+@pytest.mark.slow
 @interpreter
 def test_multi_program_alignment_path(monkeypatch):
     """The two-launch alignment (its planned histogram buffer poisoned too) inside the whole layer."""

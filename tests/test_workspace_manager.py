@@ -114,6 +114,7 @@ def test_per_layer_reserve_is_the_sum_of_layer_plans():
     assert mgr.stats.device_allocations == len(layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["shared", "per_layer"])
 def test_no_allocations_after_reserve(strategy):
     """After reserve_workspace(max_tokens), forwards with M <= max_tokens make no device allocation or growth."""
