@@ -219,24 +219,28 @@ def test_a_view_kept_across_steps_is_caught_in_poison_runs():
 
 
 # ---- regression: fp8 per-tensor dynamic at small M --------------------------------------------------------------
-@interpreter
+@pytest.mark.parametrize("device,dtype", [
+    pytest.param("cpu", torch.float16, marks=interpreter, id="cpu-fp16"),
+    pytest.param("cuda", torch.float16, marks=pytest.mark.gpu, id="cuda-fp16"),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu, id="cuda-bf16"),
+])
 @pytest.mark.parametrize("M", [1, 2, 3])
 @pytest.mark.parametrize("k", [1, 2])
-def test_fp8_per_tensor_dynamic_small_m_poison(M, k):
-    """M=1..3, E=8, H=I=128, float16 (the issue's case): identical bits under poison, zeros and the shared arena,
-    and within fp8 tolerance of the reference. Before the fix the per-tensor max scratch shared bytes with
-    sorted_ids and the output was inf / 4e30 / zeros depending on the strategy."""
+def test_fp8_per_tensor_dynamic_small_m_poison(M, k, device, dtype):
+    """M=1..3, E=8, H=I=128: identical bits under poison, zeros, the shared arena and fresh memory, and within fp8
+    tolerance of the reference. The per-tensor max scratch must not share bytes with a buffer live at the same
+    time (sorted_ids): when it did, the output was inf / 4e30 / zeros depending on the strategy."""
     g = torch.Generator().manual_seed(M * 10 + k)
     E, H, I = 8, 128, 128
-    x = torch.randn(M, H, generator=g).half()
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).half()
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).half()
+    x = torch.randn(M, H, generator=g).to(device, dtype)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(device, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device, dtype)
     q = QuantConfig("fp8_tensor")
     w1q, w2q, s1, s2 = quantize_weights(w1, w2, q)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int()
-    tw = torch.rand(M, k, generator=g) + 0.1
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int().to(device)
+    tw = (torch.rand(M, k, generator=g) + 0.1).to(device)
     outs = [fused_moe(x, w1q, w2q, tw, ids, quant=q, w1_scale=s1, w2_scale=s2, backend="triton",
-                      workspace=WorkspaceManager("cpu", strategy=s, poison=poison))
+                      workspace=WorkspaceManager(device, strategy=s, poison=poison))
             for s, poison in (("shared", True), ("shared", False), ("alloc_zeros", False), ("alloc_empty", True))]
     ref = fused_moe_reference(x, w1q, w2q, tw, ids, quant=q, w1_scale=s1, w2_scale=s2)
     assert relative_error(outs[0], ref) < 6e-2
