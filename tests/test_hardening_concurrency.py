@@ -145,6 +145,10 @@ def pause_before_first_gemm(monkeypatch, backend: str, barrier: threading.Barrie
 def interleaved_pair(monkeypatch, backend: str, slots: tuple[str, str], poison: bool, decode: bool):
     """Two same-shape calls (7 tokens x top-2: 14 slots, on the decode path when it is switched on) with different
     data, forced to interleave; returns (outputs, inputs, arena log)."""
+    # The interleaving is forced inside the steps' kernel wrappers, which a replayed call does not run.
+    from fusedmoe.ops import launcher
+
+    monkeypatch.setattr(launcher, "ENABLED", False)
     mgr = WorkspaceManager("cpu", poison=poison)
     for slot in set(slots):
         # Size each slot's arena first: the manager is not thread-safe while an arena grows (two threads growing

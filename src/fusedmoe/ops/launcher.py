@@ -143,6 +143,8 @@ class Recorder:
             return
         if callable(grid):
             return self.refuse("a grid computed by a function")
+        if not callable(getattr(kernel, "fn", None)):
+            return self.refuse(f"{kernel!r} is not a Triton kernel")
         params = _params(kernel)
         values = list(args) + [kwargs.get(name, default) for name, default in params[len(args):]]
         slots = []
