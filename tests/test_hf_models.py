@@ -290,3 +290,20 @@ def test_patch_model_refuses_what_it_would_not_run():
         hf.patch_model(model)
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts .*float8_e4m3fn"):
         model.set_experts_implementation("fusedmoe")
+
+
+def test_patched_router_runs_only_while_observed():
+    """After router logits were recorded once (transformers' recorder hooks then stay on the routers), a plain
+    forward of a patched model computes its logits without running transformers' router (its top-k)."""
+    from unittest import mock
+
+    model = tiny_model("qwen3_moe")
+    hf.patch_model(model)
+    ids = prompt()
+    router_cls = type(model.model.layers[0].mlp.gate)
+    with mock.patch.object(router_cls, "forward", autospec=True, side_effect=router_cls.forward) as forward:
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+        assert forward.call_count == model.config.num_hidden_layers == len(out.router_logits)
+        _logits(model, ids)
+        assert forward.call_count == model.config.num_hidden_layers

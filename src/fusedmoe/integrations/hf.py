@@ -36,6 +36,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ..api import fused_moe
 from ..checks import forbid_gradients
@@ -346,13 +347,11 @@ def _router_logits(router: nn.Module, model_type: str, x: torch.Tensor) -> torch
 def _observed(module: nn.Module) -> bool:
     """Whether a hook (transformers' output recorders for ``output_router_logits``, a user's) may want to see
     ``module`` run. transformers' own recorder hooks count only while a forward records router logits."""
-    hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
-    from torch.nn.modules import module as torch_module
-
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+    if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
         return True
-    if not hooks:
+    if not (module._forward_hooks or module._forward_pre_hooks):
         return False
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
     if any(not _is_output_recorder(h) for h in hooks):
         return True
     return _recording("router_logits")
