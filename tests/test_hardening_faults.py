@@ -84,7 +84,11 @@ def inject(monkeypatch, backend: str, after: int = 0) -> list:
     """Make the experts raise ``Injected`` mid-call: torch at its (after+1)-th GEMM (sort, gather and the
     segment offsets are already in the arena), Triton in the GEMM2 wrapper (alignment and GEMM1 already ran) or,
     on the decode path, at the launch of its second kernel (the first wrote ``act``). Returns a one-element list
-    counting the calls reaching the injection point."""
+    counting the calls reaching the injection point. Replay is switched off: the injection sits in the step
+    wrappers, which a replayed call does not run."""
+    from fusedmoe.ops import launcher
+
+    monkeypatch.setattr(launcher, "ENABLED", False)
     seen = [0]
     if backend == "torch":
         import fusedmoe.experts.torch_experts as mod

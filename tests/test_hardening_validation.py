@@ -199,8 +199,6 @@ ROWS: list[Row] = [
       "num_expert_groups"),
     R("route_topk_groups_gt_groups", lambda c: route(logits(), K, num_expert_groups=2, topk_groups=3), ValueError,
       "topk_groups"),
-    R("route_top_k_beyond_kept_groups", lambda c: route(logits(), 3, num_expert_groups=4, topk_groups=1),
-      ValueError, "top_k"),
     R("route_groups_with_softmax_topk",
       lambda c: route(logits(), K, scoring="softmax_topk", num_expert_groups=2, topk_groups=1), ValueError,
       "num_expert_groups"),

@@ -460,8 +460,6 @@ INVALID = [
     ((X, 2), {"num_expert_groups": 2.0, "topk_groups": 1}, ValueError, ["num_expert_groups"]),
     ((X, 2), {"num_expert_groups": 4, "topk_groups": 0}, ValueError, ["topk_groups"]),
     ((X, 2), {"num_expert_groups": 4, "topk_groups": 5}, ValueError, ["topk_groups"]),
-    ((X, 3), {"num_expert_groups": 4, "topk_groups": 1}, ValueError,
-     ["top_k", "topk_groups", "num_expert_groups"]),
     ((X, 2), {"scoring": "softmax_topk", "num_expert_groups": 4, "topk_groups": 2}, ValueError,
      ["scoring", "num_expert_groups"]),
     ((X, 2), {"correction_bias": [0.0] * 8}, TypeError, ["correction_bias"]),

@@ -103,8 +103,9 @@ def fused_moe(
         hidden_states: [M, H] float32 / float16 / bfloat16.
         w1: [E, 2I, H] gate rows then up rows (fp8 e4m3 with ``quant``). w2: [E, H, I].
         topk_weights: [M, k] float routing weights. topk_ids: [M, k] int32/int64 global expert ids.
-        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation) or "swigluoai" (gpt-oss's clamped
-            SwiGLU: ``g * sigmoid(1.702 g) * (u + 1)``, ``g = min(gate, 7)``, ``u = clamp(up, -7, 7)``).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, tanh approximation), "gelu_exact" (GeGLU, erf GELU) or
+            "swigluoai" (gpt-oss's clamped SwiGLU: ``g * sigmoid(1.702 g) * (u + 1)``, ``g = min(gate, 7)``,
+            ``u = clamp(up, -7, 7)``).
         apply_router_weight_on_input: multiply the input rows by the routing weight instead of the outputs.
         expert_map: int32 [global_num_experts], global id -> local id or -1 (not on this rank: contributes 0).
         global_num_experts: size of the global id space (default: len(expert_map) or E).
@@ -117,7 +118,7 @@ def fused_moe(
         checks: "full" also validates tensor values (one host sync); default from env FUSEDMOE_CHECKS.
         w1_bias: optional [E, 2I] (gate then up) added to GEMM1's output before the activation.
         w2_bias: optional [E, H] added to GEMM2's output before the routing weight multiplies it.
-            Both in hidden_states' dtype (gpt-oss; see fusedmoe.loading for its weight conversion).
+            Both in hidden_states' dtype (gpt-oss; see fusedmoe.integrations.loading for its weight conversion).
 
     Returns:
         A new tensor [M, H] in hidden_states' dtype (never a view of the workspace).

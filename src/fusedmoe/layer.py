@@ -297,6 +297,8 @@ class FusedMoE(nn.Module):
         x = hidden_states.reshape(-1, self.hidden_size)
         if router_logits is not None and not isinstance(router_logits, torch.Tensor):
             raise TypeError(f"router_logits must be a torch.Tensor or None, got {type(router_logits).__name__}")
+        if router_logits is not None and not router_logits.is_floating_point():
+            raise TypeError(f"router_logits must have a floating dtype, got {router_logits.dtype}")
         if router_logits is not None and router_logits.device != x.device:
             raise ValueError(f"router_logits is on {router_logits.device} but hidden_states is on {x.device}")
         if router_logits is not None and router_logits.shape[-1] != self.num_experts:
@@ -358,7 +360,8 @@ class FusedMoE(nn.Module):
 
     @classmethod
     def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:
-        """A FusedMoE from a transformers MoE block or experts module (see :func:`fusedmoe.loading.from_hf`)."""
+        """A FusedMoE from a transformers MoE block or experts module
+        (see :func:`fusedmoe.integrations.loading.from_hf`)."""
         from .integrations.loading import from_hf
 
         return from_hf(module, cls=cls, **kwargs)
@@ -366,7 +369,7 @@ class FusedMoE(nn.Module):
     @classmethod
     def from_hf_state_dict(cls, state_dict, config, **kwargs) -> FusedMoE:
         """A FusedMoE from one MoE block's transformers state dict (fused or per-expert layout; see
-        :func:`fusedmoe.loading.from_hf_state_dict`)."""
+        :func:`fusedmoe.integrations.loading.from_hf_state_dict`)."""
         from .integrations.loading import from_hf_state_dict
 
         return from_hf_state_dict(state_dict, config, cls=cls, **kwargs)
