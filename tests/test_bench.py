@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from fusedmoe.bench import call_path, decode, floors, strategies
-from fusedmoe.bench.baselines import hf_experts
 from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.routing import route
+from fusedmoe.tools.bench import call_path, decode, floors, strategies
+from fusedmoe.tools.bench.baselines import hf_experts
 
 
 def test_step_sizes_mix_decode_and_prefill():

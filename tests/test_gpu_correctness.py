@@ -13,8 +13,8 @@ import torch
 
 from fusedmoe import fused_moe
 from fusedmoe.ops.configs import MoEConfig, pinned_config
-from fusedmoe.presets import PRESETS
 from fusedmoe.reference import fused_moe_reference, relative_error
+from fusedmoe.tools.presets import PRESETS
 from fusedmoe.workspace.manager import WorkspaceManager
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -11,10 +11,10 @@ from fusedmoe import LocalPrepareFinalize, MoEKernel
 from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.experts.triton_experts import TritonExperts
 from fusedmoe.ops.configs import MoEConfig, pinned_config
-from fusedmoe.presets import PRESETS
 from fusedmoe.problem import MoEProblem
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
+from fusedmoe.tools.presets import PRESETS
 from fusedmoe.workspace.manager import WorkspaceManager
 
 #: small tiles keep the interpreter fast; on a GPU the tuned tables decide

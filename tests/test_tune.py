@@ -18,7 +18,7 @@ from fusedmoe.ops.configs import (
     smem_bytes,
     table_to_json,
 )
-from fusedmoe.tune import (
+from fusedmoe.tools.tune import (
     _GEMM1,
     _GEMM2,
     Failure,
@@ -134,7 +134,7 @@ def test_fit_smem_order():
 def test_compile_chunks_cover_every_candidate_once():
     """The precompile work compiles every GEMM1 and every GEMM2 candidate that fits, of every target, in about
     2 x jobs chunks, on small-E copies of the targets."""
-    from fusedmoe.tune import DEFAULT_M, Target, compile_chunks
+    from fusedmoe.tools.tune import DEFAULT_M, Target, compile_chunks
 
     targets = [Target.of("qwen3-30b-a3b", "bf16"), Target.of("mixtral-8x7b", "fp8_block")]
     fits = lambda t, g, gemm: None if g.block_k < 256 else "skipped"  # noqa: E731

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..api import fused_moe
-from ..op import fused_moe_op
-from ..routing import route
-from ..workspace.manager import WorkspaceManager
+from ...api import fused_moe
+from ...op import fused_moe_op
+from ...routing import route
+from ...workspace.manager import WorkspaceManager
 
 
 def measure(

@@ -10,7 +10,7 @@ CALLS = 10
 
 
 def run(tokens: list[int], num_experts: int = 128, top_k: int = 8, block_m: int = 16) -> list[dict[str, object]]:
-    from ..ops.align import align_params, moe_align
+    from ...ops.align import align_params, moe_align
 
     device = torch.device("cuda")
     results = []

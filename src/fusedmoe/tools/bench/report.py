@@ -32,7 +32,7 @@ def environment() -> dict[str, object]:
     info["commit"] = os.environ.get("FUSEDMOE_COMMIT")
     if not info["commit"]:
         try:
-            root = Path(__file__).resolve().parents[3]
+            root = Path(__file__).resolve().parents[4]
             info["commit"] = subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
             ).stdout.strip() or None

@@ -29,14 +29,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..api import fused_moe
-from ..checks import check_fused_moe_args
-from ..kernel import _roots, _stream
-from ..layer import FusedMoE
-from ..op import fused_moe_op
-from ..ops import launcher
+from ...api import fused_moe
+from ...checks import check_fused_moe_args
+from ...kernel import _roots, _stream
+from ...layer import FusedMoE
+from ...op import fused_moe_op
+from ...ops import launcher
+from ...workspace.manager import WorkspaceManager
 from ..presets import Preset, get_preset
-from ..workspace.manager import WorkspaceManager
 from . import report
 
 COLUMNS = ["path", "backend", "M", "host us/call", "device us/call", "note"]

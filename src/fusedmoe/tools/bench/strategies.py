@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import fused_moe
-from ..layer import FusedMoE
-from ..workspace.manager import STRATEGIES, WorkspaceManager
+from ...api import fused_moe
+from ...layer import FusedMoE
+from ...workspace.manager import STRATEGIES, WorkspaceManager
 
 CALLER = "caller"
 

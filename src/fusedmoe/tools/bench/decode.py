@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layer import FusedMoE
-from ..workspace.manager import WorkspaceManager
+from ...layer import FusedMoE
+from ...workspace.manager import WorkspaceManager
 from . import report
 
 GRAPHS = "shared+graphs"

@@ -9,8 +9,8 @@ import torch
 
 
 def _info(args: argparse.Namespace) -> int:
-    from . import __version__
-    from .api import resolve_backend, triton_available
+    from .. import __version__
+    from ..api import resolve_backend, triton_available
     from .bench.report import environment
 
     env = environment()
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel: one layer call per backend over a token sweep; decode: an L-layer stack per strategy; "
         "host: host time per call and its stages; model: a transformers model per experts implementation",
     )
-    bench.add_argument("--preset", default=None, help="model shape preset (see fusedmoe.presets)")
+    bench.add_argument("--preset", default=None, help="model shape preset (see fusedmoe.tools.presets)")
     bench.add_argument("--e", type=int, help="number of experts")
     bench.add_argument("--k", type=int, help="top-k")
     bench.add_argument("--h", type=int, help="hidden size")

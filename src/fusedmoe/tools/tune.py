@@ -89,7 +89,7 @@ def block_m_options(M: int, top_k: int, E: int) -> list[int]:
 
 def candidates(table: dict, block_m: int, fp8: bool, n: int, k: int, bk_cap: int | None, quick: bool):
     """GemmConfigs for one GEMM: the curated tiles, fp8 with doubled BLOCK_K, clipped to the problem."""
-    from .ops.configs import GemmConfig
+    from ..ops.configs import GemmConfig
 
     seen, out = set(), []
     for bn, bk, g, w, s in table[block_m][: 3 if quick else None]:
@@ -125,7 +125,7 @@ def tune_m(
     Raises:
         TuneError: every candidate of one GEMM at one BLOCK_M failed.
     """
-    from .ops.configs import MoEConfig
+    from ..ops.configs import MoEConfig
 
     def score(cands, make, gemm, bm):
         scored, lost = [], []
@@ -211,7 +211,7 @@ class Target:
 
     @property
     def quant(self):
-        from .quant import QuantConfig
+        from ..quant import QuantConfig
 
         return None if self.dtype == "bf16" else QuantConfig.parse(self.dtype)
 
@@ -238,7 +238,7 @@ class _Data:
     def __init__(self, t: Target, seed: int):
         import torch
 
-        from .quant import quantize_weights
+        from ..quant import quantize_weights
 
         dev = torch.device("cuda")
         self.t = t
@@ -255,7 +255,7 @@ class _Data:
     def calls(self, M: int, n: int, manager):
         import torch
 
-        from .api import fused_moe
+        from ..api import fused_moe
 
         t, dev = self.t, self.w1.device
         x = torch.randn(M, t.H, device=dev, dtype=torch.bfloat16, generator=self.gen)
@@ -277,8 +277,8 @@ def _compile_worker(task) -> tuple[int, list[str]]:
     t, seed, items = task
     import torch
 
-    from .ops.configs import MoEConfig, pinned_config
-    from .workspace.manager import WorkspaceManager
+    from ..ops.configs import MoEConfig, pinned_config
+    from ..workspace.manager import WorkspaceManager
 
     data = _Data(t, seed)
     manager = WorkspaceManager(torch.device("cuda"))
@@ -300,7 +300,7 @@ def compile_chunks(targets: list[Target], ms, quick: bool, seed: int, fits, jobs
     A GEMM kernel depends on its own tile only, so pairing the i-th GEMM1 candidate with the i-th GEMM2 candidate
     (cycling the shorter list) compiles them all in max(n1, n2) calls per BLOCK_M; one M per BLOCK_M suffices
     (the kernels do not specialize on the token count). Workers hold a few experts only (same kernels)."""
-    from .ops.configs import MoEConfig
+    from ..ops.configs import MoEConfig
 
     per_target = []
     for t in targets:
@@ -360,9 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         print("fusedmoe tune: needs a CUDA GPU (none is visible here); nothing was written", file=sys.stderr)
         return 2
 
-    from .bench.timing import graph_time_us
-    from .experts.triton_experts import _smem_limit
-    from .ops.configs import (
+    from ..experts.triton_experts import _smem_limit
+    from ..ops.configs import (
         PACKAGED_DIR,
         config_file_name,
         device_name,
@@ -371,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         smem_bytes,
         table_to_json,
     )
-    from .workspace.manager import WorkspaceManager
+    from ..workspace.manager import WorkspaceManager
+    from .bench.timing import graph_time_us
 
     limit = _smem_limit(torch.cuda.current_device())
 

@@ -56,8 +56,8 @@ def _generate(model, ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, floa
 
 def run(path: str | None = None, tokens: int = 32, prompt_len: int = 16, batch: int = 1, seed: int = 0) -> int:
     """Returns 0 if the patched model generated the same tokens as the original, 1 otherwise."""
-    from .api import resolve_backend
-    from .integrations.hf import patch_model, unpatch_model
+    from ..api import resolve_backend
+    from ..integrations.hf import patch_model, unpatch_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

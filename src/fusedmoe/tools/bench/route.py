@@ -10,8 +10,8 @@ CALLS = 10
 
 
 def run(tokens: list[int], num_experts: int = 128, top_k: int = 8) -> list[dict[str, object]]:
-    from ..ops import routing as kernel
-    from ..routing import route
+    from ...ops import routing as kernel
+    from ...routing import route
 
     device = torch.device("cuda")
     variants = [

@@ -86,7 +86,7 @@ def available_impls() -> list[str]:
 
 def _use(model, impl: str):
     """Switch ``model`` to ``impl``; returns the function that undoes it."""
-    from ..integrations import hf
+    from ...integrations import hf
 
     if impl == "fusedmoe-patch":
         model.set_experts_implementation("grouped_mm")

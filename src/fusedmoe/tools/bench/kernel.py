@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api import fused_moe
-from ..op import fused_moe_op
-from ..ops.configs import ENV_DIR
-from ..routing import route
-from ..workspace.manager import WorkspaceManager
+from ...api import fused_moe
+from ...op import fused_moe_op
+from ...ops.configs import ENV_DIR
+from ...routing import route
+from ...workspace.manager import WorkspaceManager
 from . import floors, report, timing
 from .baselines import grouped_mm_available, grouped_mm_moe, hf_experts
 
@@ -62,7 +62,7 @@ def _weights(shape: Shape, dtype: str, device):
     w2 = torch.randn(E, H, I, device=device, dtype=torch.bfloat16, generator=gen) / I**0.5
     quantized = None
     if dtype != "bf16":
-        from ..quant import QuantConfig, quantize_weights
+        from ...quant import QuantConfig, quantize_weights
 
         quant = QuantConfig.parse(dtype)
         w1q, w2q, s1, s2 = quantize_weights(w1, w2, quant)
