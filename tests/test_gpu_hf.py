@@ -113,7 +113,7 @@ def test_bf16_block_equivalence(arch, mode):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_router_logits_and_aux_loss(arch, mode):
     """output_router_logits on the GPU: as many router logits as the unpatched model records (transformers
-    5.17's DeepSeek-V2 records none), the first layer's bit-identical (identical inputs), the load-balancing
+    5.17's DeepSeek models record none), the first layer's bit-identical (identical inputs), the load-balancing
     loss within what a few flipped tokens move (it counts tokens per expert)."""
     ids = prompt(device=DEV)
     ref = tiny_model(arch, dtype=torch.bfloat16, device=DEV)
@@ -123,7 +123,10 @@ def test_bf16_router_logits_and_aux_loss(arch, mode):
     with torch.no_grad():
         out, expected = model(ids, **kw), ref(ids, **kw)
     assert manager.stats.calls > 0
-    got_logits, want_logits = out.router_logits or (), expected.router_logits or ()
+    # transformers 5.17's DeepSeek outputs have no router_logits field at all
+    got_logits = getattr(out, "router_logits", None) or ()
+    want_logits = getattr(expected, "router_logits", None) or ()
+    assert hasattr(out, "router_logits") == hasattr(expected, "router_logits")
     assert len(got_logits) == len(want_logits)
     if want_logits:
         assert torch.equal(got_logits[0], want_logits[0])

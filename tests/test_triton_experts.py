@@ -325,3 +325,39 @@ def test_poison_eager_and_cuda_graph(quant, M):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out_s, eager(*b, WorkspaceManager(DEV, strategy="alloc_zeros")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8_tensor", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("layout", ["standard", "batched"])
+def test_gpu_fp8_with_k_below_an_fp8_dot_tile(mode, layout):
+    """I = 16 (GEMM2's K) is below the 32-deep minimum of an fp8 dot on the GPU: the launch widens BLOCK_K (the K
+    loop masks the rest) instead of failing to compile; 16-wide fp8_block scale groups are refused by name."""
+    from fusedmoe import fused_moe, route
+    from fusedmoe.api import get_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, E, k, H, I = 10, 4, 2, 64, 16
+    x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I**0.5).bfloat16()
+    tw, ids = route(torch.randn(M, E, device="cuda", generator=g), k)
+    q = QuantConfig(mode, block_shape=(16, 32)) if mode == "fp8_block" else QuantConfig(mode)
+    w1q, w2q, s1, s2 = quantize_weights(w1, w2, q)
+    if layout == "standard":
+        out = fused_moe(x, w1q, w2q, tw, ids, quant=q, w1_scale=s1, w2_scale=s2)
+    else:
+        from fusedmoe import BatchedPrepareFinalize, BatchedTritonExperts
+
+        kernel = MoEKernel(BatchedPrepareFinalize(M * k), BatchedTritonExperts())
+        p = MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16, weight_dtype=w1q.dtype,
+                       quant=q)
+        out = kernel(ExpertsInputs(x, w1q, w2q, tw, ids, w1_scale=s1, w2_scale=s2), p,
+                     manager=WorkspaceManager("cuda"))
+    ref = fused_moe_reference(x, w1, w2, tw, ids)
+    assert relative_error(out, ref) < 0.1  # fp8 weights and activations
+    if mode == "fp8_block":
+        narrow = QuantConfig(mode, block_shape=(16, 16))
+        p16 = MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16,
+                         weight_dtype=w1q.dtype, quant=narrow)
+        assert "needs scale groups of >= 32" in get_kernel("triton").unsupported(p16)

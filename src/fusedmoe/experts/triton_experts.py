@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +35,8 @@ from ..workspace.plan import BufferSpec
 from .base import Experts
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: Smallest K extent of an fp8 ``tl.dot`` tile on NVIDIA GPUs (Triton's min_dot_size for 8-bit operands).
+MIN_FP8_BLOCK_K = 32
 
 
 def _interpreting() -> bool:
@@ -88,6 +90,8 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     on_gpu = torch.cuda.is_available()
     cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
                      device=device_name() if on_gpu else "cpu")
+    if q is not None and on_gpu and not _interpreting():  # an fp8 dot tile is at least 32 deep on the GPU
+        cfg = MoEConfig(*(replace(g, block_k=max(g.block_k, MIN_FP8_BLOCK_K)) for g in (cfg.gemm1, cfg.gemm2)))
     limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
     return fit_smem(cfg, operand_bytes(p), limit)
 
@@ -251,6 +255,9 @@ class TritonExperts(Experts):
                 bn, bk = p.quant.block_shape
                 if min(bn, bk) < 16 or bk & (bk - 1) or bn & (bn - 1):
                     return f"fp8_block needs power-of-two block_shape >= 16, got {p.quant.block_shape}"
+                if bk < MIN_FP8_BLOCK_K and not _interpreting():
+                    return (f"fp8_block on the GPU needs scale groups of >= {MIN_FP8_BLOCK_K} along K (an fp8 dot "
+                            f"tile is at least that deep), got block_shape {p.quant.block_shape}")
         return None
 
     def _ieee(self, p: MoEProblem) -> bool:

@@ -288,6 +288,9 @@ def _eager_experts_forward(experts: nn.Module):
 def _experts_verdict(experts: nn.Module, dtype: torch.dtype):
     """(activation, None) when fusedmoe computes ``experts`` for inputs of ``dtype``, else (None, reason);
     cached per module, hidden_act and dtype."""
+    if torch.compiler.is_compiling():  # traced once per compilation; the cache is eager mode's
+        reason = experts_unsupported(experts) or _dtype_unsupported(dtype)
+        return (None, reason) if reason is not None else (_activation_of(experts), None)
     key = (getattr(getattr(experts, "config", None), "hidden_act", None), dtype)
     cache = experts.__dict__.setdefault("_fusedmoe_verdicts", {})
     verdict = cache.get(key)
