@@ -25,6 +25,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests scripts
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -94,9 +94,9 @@ def k64(x, w1, w2, s1, s2, tw, ids, q):
     for e in range(w1.shape[0]):
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         if tok.numel():
-            h = activation_reference(xq[tok] @ dequantize_weight(w1[e:e + 1], s1[e:e + 1], q)[0].double().T, "silu")
+            h = activation_reference(xq[tok] @ dequantize_weight(w1[e : e + 1], s1[e : e + 1], q)[0].double().T, "silu")
             h = fake_quantize_activation(h.to(x.dtype).double(), q).double()
-            y = h @ dequantize_weight(w2[e:e + 1], s2[e:e + 1], q)[0].double().T
+            y = h @ dequantize_weight(w2[e : e + 1], s2[e : e + 1], q)[0].double().T
             out.index_add_(0, tok, y * tw[tok, slot, None].double())
     return out
 
@@ -138,13 +138,28 @@ def main() -> int:
         n_of, u_of = breaks(ours, f64, tol)
         n_vf, u_vf = breaks(ref_v, f64, tol)
         n_ok, u_ok = breaks(ours, ref_k, tol)
-        row = dict(weights=weights, M=M, N=N, K=K, E=E, topk=k, tol=tol, elements=ours.numel(),
-                   rel_err_ours=rel(ours, f64), rel_err_vref=rel(ref_v, f64), rel_err_k64=rel(ref_k, f64),
-                   rel_ours_vs_k64=rel(ours, ref_k),
-                   break_ours_vs_vref=n_ov, break_ours_vs_f64=n_of, break_vref_vs_f64=n_vf, break_ours_vs_k64=n_ok,
-                   units_ours_vs_k64_p50_p99_p9999_max=pct(u_ok),
-                   units_ours_vs_f64_p50_p99_p9999_max=pct(u_of), units_vref_vs_f64_p50_p99_p9999_max=pct(u_vf),
-                   seconds=round(time.time() - t0, 1))
+        row = dict(
+            weights=weights,
+            M=M,
+            N=N,
+            K=K,
+            E=E,
+            topk=k,
+            tol=tol,
+            elements=ours.numel(),
+            rel_err_ours=rel(ours, f64),
+            rel_err_vref=rel(ref_v, f64),
+            rel_err_k64=rel(ref_k, f64),
+            rel_ours_vs_k64=rel(ours, ref_k),
+            break_ours_vs_vref=n_ov,
+            break_ours_vs_f64=n_of,
+            break_vref_vs_f64=n_vf,
+            break_ours_vs_k64=n_ok,
+            units_ours_vs_k64_p50_p99_p9999_max=pct(u_ok),
+            units_ours_vs_f64_p50_p99_p9999_max=pct(u_of),
+            units_vref_vs_f64_p50_p99_p9999_max=pct(u_vf),
+            seconds=round(time.time() - t0, 1),
+        )
         rows.append(row)
         print(json.dumps(row), flush=True)
         del x, w1, w2, ours, ref_v, f64, ref_k

@@ -139,8 +139,17 @@ def run(name: str, M: int, quant: str | None, mgr: WorkspaceManager) -> None:
     out = fused_moe(**t, **kw, backend="triton", workspace=mgr)
     torch.cuda.synchronize()
     check(label + " [manager]", out, t, kw, checkable, quant)
-    opts = dict(activation="silu", apply_router_weight_on_input=False, expert_map=None, global_num_experts=None,
-                quant=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None)
+    opts = dict(
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=None,
+        global_num_experts=None,
+        quant=None,
+        w1_scale=None,
+        w2_scale=None,
+        a1_scale=None,
+        a2_scale=None,
+    )
     opts.update(kw)
     plan = get_kernel("triton").plan(check_fused_moe_args(*t.values(), **opts))
     b13, ws13, ref13 = guarded(plan.region_nbytes["13"])
@@ -156,15 +165,25 @@ def run(name: str, M: int, quant: str | None, mgr: WorkspaceManager) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="bf16 and fp8_token only, two batch sizes")
-    ap.add_argument("--quant", default=None,
-                    help="comma-separated subset of: bf16, " + ", ".join(q for q in QUANTS if q))
+    ap.add_argument(
+        "--quant", default=None, help="comma-separated subset of: bf16, " + ", ".join(q for q in QUANTS if q)
+    )
     ap.add_argument("--sizes", default=None, help="comma-separated batch sizes (default 1,7,300,1500)")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    names = ["negative_ids", "too_large_ids", "all_ids_invalid", "int64_ids", "int64_ids_beyond_int32",
-             "garbage_expert_map", "nan_logits", "nan_hidden", "nan_weights"]
+    names = [
+        "negative_ids",
+        "too_large_ids",
+        "all_ids_invalid",
+        "int64_ids",
+        "int64_ids_beyond_int32",
+        "garbage_expert_map",
+        "nan_logits",
+        "nan_hidden",
+        "nan_weights",
+    ]
     sizes = [1, 300] if opts.quick else [1, 7, 300, 1500]  # 1500 x 3 slots: the multi-program alignment
     quants = [None, "fp8_token"] if opts.quick else QUANTS
     if opts.sizes:

@@ -23,8 +23,11 @@ def _case(M, H, I, E, k, *, gE=None, seed=0):
     x = torch.randn(M, H, generator=g)
     w1 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
     w2 = torch.randn(E, H, I, generator=g) / I**0.5
-    ids = (torch.stack([torch.randperm(gE, generator=g)[:k] for _ in range(M)]).int() if M
-           else torch.empty(0, k, dtype=torch.int32))
+    ids = (
+        torch.stack([torch.randperm(gE, generator=g)[:k] for _ in range(M)]).int()
+        if M
+        else torch.empty(0, k, dtype=torch.int32)
+    )
     tw = torch.rand(M, k, generator=g) + 0.1
     return x, w1, w2, tw, ids
 
@@ -56,10 +59,14 @@ CASES = [
     (5, 16, 16, 8, 1, "silu", False),  # experts with no tokens
 ]
 #: (device, dtype, case): the small cases in float32 on the CPU, a model-sized one in bf16 on CUDA
-DEVICE_CASES = [pytest.param("cpu", torch.float32, c, id=f"cpu-M{c[0]}-{c[5]}-{'in' if c[6] else 'out'}")
-                for c in CASES]
-DEVICE_CASES.append(pytest.param("cuda", torch.bfloat16, (64, 1024, 512, 16, 4, "silu", False),
-                                 marks=pytest.mark.gpu, id="cuda-bf16-M64"))
+DEVICE_CASES = [
+    pytest.param("cpu", torch.float32, c, id=f"cpu-M{c[0]}-{c[5]}-{'in' if c[6] else 'out'}") for c in CASES
+]
+DEVICE_CASES.append(
+    pytest.param(
+        "cuda", torch.bfloat16, (64, 1024, 512, 16, 4, "silu", False), marks=pytest.mark.gpu, id="cuda-bf16-M64"
+    )
+)
 
 
 @pytest.mark.parametrize("device,dtype,case", DEVICE_CASES)

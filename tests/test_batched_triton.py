@@ -53,8 +53,9 @@ def _case(M, H, I, E, k, *, device="cpu", dtype=torch.float32, gE=None, quant=No
         w1, w2, s1, s2 = quantize_weights(w1, w2, q)
         kw = dict(w1_scale=s1, w2_scale=s2)
         if q.static_activation_scale:
-            kw.update(a1_scale=torch.tensor([3.0 / 448], device=device),
-                      a2_scale=torch.tensor([1.0 / 448], device=device))
+            kw.update(
+                a1_scale=torch.tensor([3.0 / 448], device=device), a2_scale=torch.tensor([1.0 / 448], device=device)
+            )
     return x, w1, w2, tw, ids, q, kw
 
 
@@ -66,8 +67,7 @@ def _problem(x, w1, ids, q, *, activation="silu", emap=None):
     M, H = x.shape
     E, two_i, _ = w1.shape
     gE = emap.numel() if emap is not None else E
-    return MoEProblem(M, H, two_i // 2, E, gE, ids.shape[1], x.dtype, w1.dtype, activation, False, emap is not None,
-                      q)
+    return MoEProblem(M, H, two_i // 2, E, gE, ids.shape[1], x.dtype, w1.dtype, activation, False, emap is not None, q)
 
 
 def _run(x, w1, w2, tw, ids, q, kw, *, activation="silu", emap=None, poison=False):
@@ -129,8 +129,10 @@ def test_batched_triton_one_expert_gets_all_and_expert_map(quant, device):
 
 @pytest.mark.parametrize(
     "device,T,H,I,counts",
-    [pytest.param("cpu", 8, 32, 16, [0, 8, 3, 5, 0, 1, 6, 2], marks=interpreter, id="cpu"),
-     pytest.param("cuda", 64, 1024, 512, [0, 64, 3, 17, 0, 1, 40, 9], marks=pytest.mark.gpu, id="cuda")],
+    [
+        pytest.param("cpu", 8, 32, 16, [0, 8, 3, 5, 0, 1, 6, 2], marks=interpreter, id="cpu"),
+        pytest.param("cuda", 64, 1024, 512, [0, 64, 3, 17, 0, 1, 40, 9], marks=pytest.mark.gpu, id="cuda"),
+    ],
 )
 def test_fp8_per_tensor_experts_ignore_garbage_in_padded_rows(device, T, H, I, counts):
     """The per-tensor dynamic activation scale covers the valid rows only: garbage (huge values, NaN) in every

@@ -22,8 +22,7 @@ def test_decode_bench_properties_cpu():
     """shared holds exactly the largest single-layer plan, per_layer the sum over layers; after warm-up
     neither allocates; alloc_* allocate once per layer call; every eager strategy gives the same output."""
     cfg = decode.StackConfig("tiny", 8, 2, 32, 16, 3, {})
-    res = decode.run(cfg, steps=6, device=torch.device("cpu"), dtype=torch.float32, backend="torch",
-                     progress=False)
+    res = decode.run(cfg, steps=6, device=torch.device("cpu"), dtype=torch.float32, backend="torch", progress=False)
     rows = {r["strategy"]: r for r in res["strategies"]}
     assert set(rows) == {"alloc_zeros", "alloc_empty", "per_layer", "shared"}
     assert rows["shared"]["arena_bytes"] == rows["shared"]["largest_plan_bytes"]

@@ -30,20 +30,31 @@ def _worker(rank, world, init_file, configs, queue):
             g = torch.Generator().manual_seed(seed + 1)
             xs = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
             ref = full(xs[rank])
-            ep = FusedMoE(E, K, H, I, backend=backend, ep_group=dist.group.WORLD, layout=layout,
-                          max_tokens_per_rank=cap, workspace=WorkspaceManager("cpu", poison=True))
+            ep = FusedMoE(
+                E,
+                K,
+                H,
+                I,
+                backend=backend,
+                ep_group=dist.group.WORLD,
+                layout=layout,
+                max_tokens_per_rank=cap,
+                workspace=WorkspaceManager("cpu", poison=True),
+            )
             ep.load_weights(full.w1.data, full.w2.data, full.gate.data)
             El = E // world
-            shard_ok = (torch.equal(ep.w1, full.w1[rank * El:(rank + 1) * El])
-                        and torch.equal(ep.w2, full.w2[rank * El:(rank + 1) * El])
-                        and torch.equal(ep.gate, full.gate)
-                        and ep.expert_map.tolist() == [g_ - rank * El if g_ // El == rank else -1 for g_ in range(E)])
+            shard_ok = (
+                torch.equal(ep.w1, full.w1[rank * El : (rank + 1) * El])
+                and torch.equal(ep.w2, full.w2[rank * El : (rank + 1) * El])
+                and torch.equal(ep.gate, full.gate)
+                and ep.expert_map.tolist() == [g_ - rank * El if g_ // El == rank else -1 for g_ in range(E)]
+            )
             out = ep(xs[rank])
             err = relative_error(out, ref) if ref.numel() else float(out.abs().sum())
             # negative control: the shard of another rank must change the output
             other = (rank + 1) % world
-            ep.w1.data.copy_(full.w1[other * El:(other + 1) * El])
-            ep.w2.data.copy_(full.w2[other * El:(other + 1) * El])
+            ep.w1.data.copy_(full.w1[other * El : (other + 1) * El])
+            ep.w2.data.copy_(full.w2[other * El : (other + 1) * El])
             bad = ep(xs[rank])
             bad_err = relative_error(bad, ref) if ref.numel() else 1.0
             results.append((layout, backend, cap, tuple(out.shape) == tuple(xs[rank].shape), shard_ok, err, bad_err))
@@ -130,10 +141,19 @@ def _fp8_worker(rank, world, init_file, modes, queue):
             pf = AllToAllPrepareFinalize(TorchDistributedTransport(), E, max(TOKENS[:world]))
             kernel = ExpertParallelKernel(pf, TritonExperts())
             p = MoEProblem(xs[rank].shape[0], H, I, El, E, K, torch.float32, w1q.dtype, has_expert_map=True, quant=q)
-            wire = pf.wire_fp8(p) and any(b.name == "ep_send_hidden" and b.dtype == w1q.dtype
-                                          for b in kernel.plan(p).buffers)
-            inputs = ExpertsInputs(xs[rank], w1q[lo:lo + El], w2q[lo:lo + El], w, ids,
-                                   expert_map=pf.expert_map("cpu"), w1_scale=s1[lo:lo + El], w2_scale=s2[lo:lo + El])
+            wire = pf.wire_fp8(p) and any(
+                b.name == "ep_send_hidden" and b.dtype == w1q.dtype for b in kernel.plan(p).buffers
+            )
+            inputs = ExpertsInputs(
+                xs[rank],
+                w1q[lo : lo + El],
+                w2q[lo : lo + El],
+                w,
+                ids,
+                expert_map=pf.expert_map("cpu"),
+                w1_scale=s1[lo : lo + El],
+                w2_scale=s2[lo : lo + El],
+            )
             out = kernel(inputs, p, manager=WorkspaceManager("cpu", poison=True))
             err = relative_error(out, ref) if ref.numel() else float(out.abs().sum())
             results.append((mode, wire, err))

@@ -108,8 +108,9 @@ def test_bf16_matches_reference(M, E, k, activation, on_input):
     w1, w2 = make_weights(E, dtype=torch.bfloat16, seed=E)
     x = make_hidden(M, dtype=torch.bfloat16, seed=M)
     weights, ids = random_routing(M, E, k, seed=M + E)
-    run_both(x, w1, w2, weights, ids, dtype=torch.bfloat16, activation=activation,
-             apply_router_weight_on_input=on_input)
+    run_both(
+        x, w1, w2, weights, ids, dtype=torch.bfloat16, activation=activation, apply_router_weight_on_input=on_input
+    )
 
 
 @pytest.mark.parametrize("shape", [(36, 20), (17, 5), (128, 64)], ids=["H36-I20", "H17-I5", "H128-I64"])
@@ -157,8 +158,17 @@ def test_expert_map_half_local(M, global_E, k_kind, activation, on_input):
     w1, w2 = make_weights(global_E // 2, seed=seed)
     x = make_hidden(M, seed=seed)
     weights, ids = random_routing(M, global_E, k, seed=seed)
-    run_both(x, w1, w2, weights, ids, expert_map=emap, global_num_experts=global_E, activation=activation,
-             apply_router_weight_on_input=on_input)
+    run_both(
+        x,
+        w1,
+        w2,
+        weights,
+        ids,
+        expert_map=emap,
+        global_num_experts=global_E,
+        activation=activation,
+        apply_router_weight_on_input=on_input,
+    )
 
 
 def test_expert_map_every_slot_remote():
@@ -169,8 +179,17 @@ def test_expert_map_every_slot_remote():
     x = make_hidden(20)
     ids = remote[torch.randint(0, remote.numel(), (20, 2))].to(torch.int32)
     weights = torch.rand(20, 2) + 0.1
-    out = fused_moe(x, w1, w2, weights, ids, expert_map=emap, global_num_experts=16, backend="torch",
-                    workspace=WorkspaceManager("cpu"))
+    out = fused_moe(
+        x,
+        w1,
+        w2,
+        weights,
+        ids,
+        expert_map=emap,
+        global_num_experts=16,
+        backend="torch",
+        workspace=WorkspaceManager("cpu"),
+    )
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -346,17 +365,16 @@ def test_caller_workspace_exactly_sized_from_plan():
     w1, w2 = make_weights(E)
     x = make_hidden(M)
     weights, ids = random_routing(M, E, k)
-    p = fusedmoe.MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.float32,
-                            weight_dtype=torch.float32)
+    p = fusedmoe.MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.float32, weight_dtype=torch.float32)
     plan = get_kernel("torch").plan(p)
     backing = torch.full((plan.nbytes + 64,), 0xFF, dtype=torch.uint8)
     skip = (-backing.data_ptr()) % 16
-    ws13 = backing[skip: skip + plan.nbytes]
+    ws13 = backing[skip : skip + plan.nbytes]
     assert ws13.data_ptr() % 16 == 0
     out = fused_moe(x, w1, w2, weights, ids, backend="torch", workspace13=ws13)
     assert torch.equal(out, fused_moe(x, w1, w2, weights, ids, backend="torch", workspace=WorkspaceManager("cpu")))
     # the bytes after the workspace were not touched
-    assert (backing[skip + plan.nbytes:] == 0xFF).all() and (backing[:skip] == 0xFF).all()
+    assert (backing[skip + plan.nbytes :] == 0xFF).all() and (backing[:skip] == 0xFF).all()
 
 
 def test_non_contiguous_inputs_and_weight_dtypes():
@@ -379,8 +397,7 @@ def test_fp16(activation):
     w1, w2 = make_weights(8, dtype=torch.float16, seed=3)
     x = make_hidden(50, dtype=torch.float16)
     weights, ids = random_routing(50, 8, 2)
-    out = fused_moe(x, w1, w2, weights, ids, activation=activation, backend="torch",
-                    workspace=WorkspaceManager("cpu"))
+    out = fused_moe(x, w1, w2, weights, ids, activation=activation, backend="torch", workspace=WorkspaceManager("cpu"))
     assert out.dtype == torch.float16
     assert relative_error(out, fused_moe_reference(x, w1, w2, weights, ids, activation=activation)) < 2e-2
 
@@ -392,6 +409,15 @@ def test_int64_expert_map():
     x = make_hidden(40, seed=4)
     weights, ids = random_routing(40, 16, 4, seed=4)
     out = run_both(x, w1, w2, weights, ids, expert_map=emap.long(), global_num_experts=16)
-    out32 = fused_moe(x, w1, w2, weights, ids, expert_map=emap, global_num_experts=16, backend="torch",
-                      workspace=WorkspaceManager("cpu"))
+    out32 = fused_moe(
+        x,
+        w1,
+        w2,
+        weights,
+        ids,
+        expert_map=emap,
+        global_num_experts=16,
+        backend="torch",
+        workspace=WorkspaceManager("cpu"),
+    )
     assert torch.equal(out, out32)

@@ -38,13 +38,15 @@ def test_float32_every_preset(name, M):
     w2 = torch.randn(E, H, I, device=DEV, generator=g) / I**0.5
     ids = torch.rand(M, E, device=DEV, generator=g).argsort(dim=1)[:, :k].to(torch.int32)
     tw = torch.rand(M, k, device=DEV, generator=g)
-    out = fused_moe(x, w1, w2, tw, ids, backend="triton", activation=pr.activation,
-                    workspace=WorkspaceManager(DEV, poison=True))
+    out = fused_moe(
+        x, w1, w2, tw, ids, backend="triton", activation=pr.activation, workspace=WorkspaceManager(DEV, poison=True)
+    )
     assert relative_error(out, fused_moe_reference(x, w1, w2, tw, ids, activation=pr.activation)) < 1e-5
 
 
-@pytest.mark.parametrize("M,H,I", [(1, 128, 128), (64, 128, 128), (256, 128, 128), (64, 2880, 128),
-                                   (16, 128, 2880), (256, 2880, 2880)])
+@pytest.mark.parametrize(
+    "M,H,I", [(1, 128, 128), (64, 128, 128), (256, 128, 128), (64, 2880, 128), (16, 128, 2880), (256, 2880, 2880)]
+)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_triton_within_vllm_tolerance(M, H, I, activation, bias):

@@ -162,11 +162,15 @@ def test_patched_model_follows_device_and_dtype_casts():
 
 
 @pytest.mark.parametrize("mode", ["patch", "register"])
-@pytest.mark.parametrize("arch,overrides", [
-    ("deepseek_v3", dict(n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=8)),
-    ("deepseek_v3", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
-    ("deepseek_v2", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
-], ids=["v3-test-config", "v3-k3-of-2", "v2-k3-of-2"])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("deepseek_v3", dict(n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=8)),
+        ("deepseek_v3", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
+        ("deepseek_v2", dict(n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3)),
+    ],
+    ids=["v3-test-config", "v3-k3-of-2", "v2-k3-of-2"],
+)
 def test_deepseek_top_k_beyond_kept_groups_on_gpu(arch, overrides, mode):
     """float32 on the GPU: fusedmoe routes these on the torch path (not the routing kernel) as transformers."""
     ids = prompt(device=DEV)

@@ -28,8 +28,11 @@ from fusedmoe.workspace.plan import BufferSpec, WorkspacePlan
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
 # (backend, Triton decode path on?): the two-launch decode path serves calls of <= 16 slots when switched on
-BACKENDS = [pytest.param("torch", False, id="torch"), pytest.param("triton", False, id="triton", marks=_interp),
-            pytest.param("triton", True, id="triton-decode", marks=_interp)]
+BACKENDS = [
+    pytest.param("torch", False, id="torch"),
+    pytest.param("triton", False, id="triton", marks=_interp),
+    pytest.param("triton", True, id="triton-decode", marks=_interp),
+]
 H, I, E, K = 40, 24, 4, 2
 TIMEOUT = 60
 
@@ -165,6 +168,7 @@ def interleaved_pair(monkeypatch, backend: str, slots: tuple[str, str], poison: 
         def fn():
             with pinned_config(MoEConfig.simple(16, 32, 32)), mgr.slot(slots[i]):
                 return fused_moe(**inputs[i], backend=backend, workspace=mgr)
+
         return fn
 
     with decode_path(decode):
@@ -218,6 +222,7 @@ def test_many_calls_from_two_threads_in_two_slots():
                     a = args(1 + (7 * j + seed) % 97, seed=seed * 1000 + j)
                     bad += not correct(fused_moe(**a, backend="torch", workspace=mgr), a)
             return bad
+
         return fn
 
     assert run_threads([worker("a", 1), worker("b", 2)]) == [0, 0]
@@ -237,8 +242,7 @@ def test_concurrent_growth_in_distinct_slots_keeps_the_books(strategy):
     mgr = WorkspaceManager("cpu", strategy=strategy)
     threads, steps = 8, 300
     start = threading.Barrier(threads)
-    plans = [WorkspacePlan((BufferSpec("b", (64 * (j + 1),), torch.uint8, 3, 3),))
-             for j in range(steps)]
+    plans = [WorkspacePlan((BufferSpec("b", (64 * (j + 1),), torch.uint8, 3, 3),)) for j in range(steps)]
 
     def worker(i):
         def fn():
@@ -248,6 +252,7 @@ def test_concurrent_growth_in_distinct_slots_keeps_the_books(strategy):
                 with mgr.slot((i, "a")):
                     mgr.acquire(plan, owner="layer")
             return 0
+
         return fn
 
     interval = sys.getswitchinterval()
@@ -290,8 +295,9 @@ def test_two_cuda_streams_default_slots_run_a_stack_concurrently():
     dev = torch.device("cuda")
     mgr = WorkspaceManager(dev, strategy="shared", poison=True)
     torch.manual_seed(0)
-    layers = [FusedMoE(64, 4, 1024, 512, dtype=torch.bfloat16, device=dev, workspace=mgr, backend="triton")
-              for _ in range(8)]
+    layers = [
+        FusedMoE(64, 4, 1024, 512, dtype=torch.bfloat16, device=dev, workspace=mgr, backend="triton") for _ in range(8)
+    ]
     xs = [torch.randn(M, 1024, dtype=torch.bfloat16, device=dev) for M in (37, 300)]
 
     def stack(x):

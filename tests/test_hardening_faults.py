@@ -24,14 +24,17 @@ from fusedmoe.reference import fused_moe_reference, relative_error
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
 # (backend, Triton decode path on?): with the decode path on, calls of <= 16 slots take its two launches
-BACKENDS = [pytest.param("torch", False, id="torch"), pytest.param("triton", False, id="triton", marks=_interp),
-            pytest.param("triton", True, id="triton-decode", marks=_interp)]
+BACKENDS = [
+    pytest.param("torch", False, id="torch"),
+    pytest.param("triton", False, id="triton", marks=_interp),
+    pytest.param("triton", True, id="triton-decode", marks=_interp),
+]
 
 
 def _slow(params, ids):
     """``params`` with the ones named in ``ids`` also marked slow."""
-    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow]) if p.id in ids else p
-            for p in params]
+    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow]) if p.id in ids else p for p in params]
+
 
 H, I, E, K = 40, 24, 4, 2
 
@@ -121,6 +124,7 @@ def inject(monkeypatch, backend: str, after: int = 0) -> list:
             return real(*a, **k)
 
         monkeypatch.setattr(mod, "moe_gemm2", gemm2)
+
         @contextlib.contextmanager
         def hit_first():
             hit()

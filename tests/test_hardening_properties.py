@@ -34,8 +34,12 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 FP8_TOL = 6e-2
 CALLER = ("caller13", "caller13+2")
-COMMON = dict(deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+COMMON = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 
 _KERNELS: dict[tuple[str, str], MoEKernel] = {}
 _MANAGERS: dict[tuple, WorkspaceManager] = {}
@@ -86,8 +90,19 @@ def problems(draw, backend: str, device: str = "cpu", quant_modes=(None,), shape
     k = draw(st.integers(1, min(global_E, 4 if device == "cpu" else 8)))
     raw_ids = layout == "standard" and draw(st.booleans())
     return dict(
-        backend=backend, device=device, H=H, I=I, M=M, E=E, global_E=global_E, k=k, dtype=dtype, quant=quant,
-        layout=layout, use_map=use_map, raw_ids=raw_ids,
+        backend=backend,
+        device=device,
+        H=H,
+        I=I,
+        M=M,
+        E=E,
+        global_E=global_E,
+        k=k,
+        dtype=dtype,
+        quant=quant,
+        layout=layout,
+        use_map=use_map,
+        raw_ids=raw_ids,
         activation=draw(st.sampled_from(ACTIVATIONS)),
         on_input=draw(st.booleans()),
         bias=layout == "standard" and quant is None and draw(st.integers(0, 3)) == 0,
@@ -134,24 +149,46 @@ def materialize(c: dict) -> tuple[dict, dict]:
 
 
 def run(c: dict, t: dict, kw: dict, strategy: str, poison: bool) -> torch.Tensor:
-    opts = dict(activation="silu", apply_router_weight_on_input=False, expert_map=None, global_num_experts=None,
-                quant=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None, w1_bias=None, w2_bias=None)
+    opts = dict(
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=None,
+        global_num_experts=None,
+        quant=None,
+        w1_scale=None,
+        w2_scale=None,
+        a1_scale=None,
+        a2_scale=None,
+        w1_bias=None,
+        w2_bias=None,
+    )
     opts.update(kw)
     p = check_fused_moe_args(*t.values(), **opts)
     kern = kernel(c["backend"], c["layout"])
     reason = kern.experts.supports(kern.prepare_finalize.problem(p))
     assert reason is None, reason
-    x = ExpertsInputs(*t.values(), expert_map=opts["expert_map"], w1_scale=opts["w1_scale"],
-                      w2_scale=opts["w2_scale"], a1_scale=opts["a1_scale"], a2_scale=opts["a2_scale"],
-                      w1_bias=opts["w1_bias"], w2_bias=opts["w2_bias"])
+    x = ExpertsInputs(
+        *t.values(),
+        expert_map=opts["expert_map"],
+        w1_scale=opts["w1_scale"],
+        w2_scale=opts["w2_scale"],
+        a1_scale=opts["a1_scale"],
+        a2_scale=opts["a2_scale"],
+        w1_bias=opts["w1_bias"],
+        w2_bias=opts["w2_bias"],
+    )
     dev = t["hidden_states"].device
     if strategy in CALLER:
         plan = kern.plan(p)
         fill = 0x7F if poison else 0
-        ws13 = torch.full((plan.nbytes if strategy == "caller13" else plan.region_nbytes["13"],), fill,
-                          dtype=torch.uint8, device=dev)
-        ws2 = (torch.full((plan.region_nbytes["2"],), fill, dtype=torch.uint8, device=dev)
-               if strategy == "caller13+2" else None)
+        ws13 = torch.full(
+            (plan.nbytes if strategy == "caller13" else plan.region_nbytes["13"],), fill, dtype=torch.uint8, device=dev
+        )
+        ws2 = (
+            torch.full((plan.region_nbytes["2"],), fill, dtype=torch.uint8, device=dev)
+            if strategy == "caller13+2"
+            else None
+        )
         return kern(x, p, manager=manager(c["device"], "shared", False), workspace13=ws13, workspace2=ws2)
     mgr = manager(c["device"], strategy, poison)
     calls = mgr.stats.calls
@@ -206,8 +243,15 @@ def test_gpu_bf16_matches_reference(c):
 
 @pytest.mark.gpu
 @settings(max_examples=GPU_EXAMPLES, **COMMON)
-@given(c=problems("triton", device="cuda", shapes=GPU_SHAPES, max_m=M_GPU,
-                  quant_modes=("fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block")))
+@given(
+    c=problems(
+        "triton",
+        device="cuda",
+        shapes=GPU_SHAPES,
+        max_m=M_GPU,
+        quant_modes=("fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block"),
+    )
+)
 def test_gpu_fp8_matches_reference(c):
     with pinned_config(GPU_PIN):
         check(c)

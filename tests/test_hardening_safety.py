@@ -173,9 +173,17 @@ def case(name: str) -> tuple[dict, dict]:
 #: NaN/Inf inputs are the point of these cases: the Triton interpreter's numpy math warns about them (a GPU is
 #: silent), and only those warnings are expected
 _NONFINITE = pytest.mark.filterwarnings("ignore:invalid value encountered in (multiply|matmul|reduce):RuntimeWarning")
-CASES = ["negative_ids", "too_large_ids", "all_ids_invalid", "int64_ids_in_int32_range", "garbage_expert_map",
-         "map_int32_extremes", pytest.param("nan_hidden", marks=_NONFINITE),
-         pytest.param("nan_weights", marks=_NONFINITE), "nan_logits"]
+CASES = [
+    "negative_ids",
+    "too_large_ids",
+    "all_ids_invalid",
+    "int64_ids_in_int32_range",
+    "garbage_expert_map",
+    "map_int32_extremes",
+    pytest.param("nan_hidden", marks=_NONFINITE),
+    pytest.param("nan_weights", marks=_NONFINITE),
+    "nan_logits",
+]
 
 
 def dirty_rows(a: dict) -> torch.Tensor:
@@ -185,8 +193,11 @@ def dirty_rows(a: dict) -> torch.Tensor:
 
 
 def check_result(out: torch.Tensor, a: dict, kw: dict) -> None:
-    ref = fused_moe_reference(*(a[k] for k in ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")),
-                              global_num_experts=GLOBAL_E if "expert_map" in kw else None, **kw)
+    ref = fused_moe_reference(
+        *(a[k] for k in ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")),
+        global_num_experts=GLOBAL_E if "expert_map" in kw else None,
+        **kw,
+    )
     clean = ~dirty_rows(a)
     assert clean.sum() >= M // 2
     assert torch.isfinite(ref[clean]).all()
@@ -196,10 +207,18 @@ def check_result(out: torch.Tensor, a: dict, kw: dict) -> None:
 
 def problem(a: dict, kw: dict):
     return check_fused_moe_args(
-        *(a[k] for k in ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")), activation="silu",
-        apply_router_weight_on_input=False, expert_map=kw.get("expert_map"),
-        global_num_experts=GLOBAL_E if "expert_map" in kw else None, quant=None, w1_scale=None, w2_scale=None,
-        a1_scale=None, a2_scale=None, checks="basic")
+        *(a[k] for k in ("hidden_states", "w1", "w2", "topk_weights", "topk_ids")),
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=kw.get("expert_map"),
+        global_num_experts=GLOBAL_E if "expert_map" in kw else None,
+        quant=None,
+        w1_scale=None,
+        w2_scale=None,
+        a1_scale=None,
+        a2_scale=None,
+        checks="basic",
+    )
 
 
 # ---- tests ---------------------------------------------------------------------------------------------------
@@ -214,8 +233,10 @@ def test_caller_workspace_guard_bands(backend, name, split, monkeypatch):
     plan = get_kernel(backend).plan(problem(a, kw))
     guards = Canaries()
     if split:
-        ws = {"workspace13": guards.carve("workspace13", plan.region_nbytes["13"]),
-              "workspace2": guards.carve("workspace2", plan.region_nbytes["2"])}
+        ws = {
+            "workspace13": guards.carve("workspace13", plan.region_nbytes["13"]),
+            "workspace2": guards.carve("workspace2", plan.region_nbytes["2"]),
+        }
     else:
         ws = {"workspace13": guards.carve("workspace13", plan.nbytes)}
     for t in ws.values():  # poison inside the workspace, canaries outside
@@ -244,15 +265,17 @@ def test_every_view_and_the_output_are_guarded(backend, name, monkeypatch):
     out = guards.tensor("output", (M, H), torch.float32)
     out.fill_(float("nan"))
     g = guarded_inputs({**a, **kw})
-    x = ExpertsInputs(g["hidden_states"], g["w1"], g["w2"], g["topk_weights"], g["topk_ids"],
-                      expert_map=g.get("expert_map"))
+    x = ExpertsInputs(
+        g["hidden_states"], g["w1"], g["w2"], g["topk_weights"], g["topk_ids"], expert_map=g.get("expert_map")
+    )
     kernel.run(x, p, ws, out)
     guards.assert_intact()
     check_result(out.clone(), a, kw)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=_interp),
-                                     pytest.param("triton-decode", marks=_interp)])
+@pytest.mark.parametrize(
+    "backend", ["torch", pytest.param("triton", marks=_interp), pytest.param("triton-decode", marks=_interp)]
+)
 def test_int64_ids_beyond_int32_are_non_local(backend, monkeypatch):
     """int64 ids outside int32 (e.g. 2**32 + 1, -2**32 + 2) are out of range: no contribution, like -1."""
     monkeypatch.delenv("FUSEDMOE_CHECKS", raising=False)
@@ -282,8 +305,16 @@ def test_fused_routing_kernel_non_finite_logits_give_in_range_ids(scoring):
     logits[0], logits[2], logits[4] = float("nan"), float("inf"), -float("inf")
     logits[6, 3], logits[7, 0], logits[8, 5] = float("nan"), float("inf"), -float("inf")
     guarded = embedded(logits, float("nan"))
-    w, ids = route_fused(guarded, k, scoring=scoring, renormalize=True, num_expert_groups=None, topk_groups=None,
-                         correction_bias=None, routed_scaling_factor=1.0)
+    w, ids = route_fused(
+        guarded,
+        k,
+        scoring=scoring,
+        renormalize=True,
+        num_expert_groups=None,
+        topk_groups=None,
+        correction_bias=None,
+        routed_scaling_factor=1.0,
+    )
     assert ids.dtype == torch.int32 and ids.shape == (m, k)
     assert bool(((ids >= 0) & (ids < e)).all()), ids
     assert all(len(set(r)) == k for r in ids.tolist()), "duplicate experts in a token"

@@ -54,8 +54,9 @@ def check_sample(layer: FusedMoE, h: torch.Tensor, out: torch.Tensor, tol: float
     assert err < tol, f"sampled output off by {err}"
 
 
-def soak(layers, mgr, steps: int, max_m: int, hidden: int, dtype, device, sample_every: int, tol: float,
-         draw_m, on_step=None) -> int:
+def soak(
+    layers, mgr, steps: int, max_m: int, hidden: int, dtype, device, sample_every: int, tol: float, draw_m, on_step=None
+) -> int:
     rng = random.Random(1234)
     base = counters(mgr)
     calls = mgr.stats.calls
@@ -103,8 +104,18 @@ def test_cpu_soak_shared_arena_torch_experts(one_thread):
     assert mgr.stats.growths == 0 and mgr.stats.device_allocations == 1
     mgr.freeze()
     try:
-        samples = soak(layers, mgr, steps=300, max_m=512, hidden=32, dtype=torch.float32, device="cpu",
-                       sample_every=10, tol=1e-5, draw_m=lambda r: r.randint(0, 512))
+        samples = soak(
+            layers,
+            mgr,
+            steps=300,
+            max_m=512,
+            hidden=32,
+            dtype=torch.float32,
+            device="cpu",
+            sample_every=10,
+            tol=1e-5,
+            draw_m=lambda r: r.randint(0, 512),
+        )
     finally:
         mgr.unfreeze()
     assert samples >= 25
@@ -122,8 +133,18 @@ def test_cpu_soak_shared_arena_triton_experts(one_thread):
         reserve_all(mgr, layers, 24)
         mgr.freeze()
         try:
-            samples = soak(layers, mgr, steps=6, max_m=24, hidden=32, dtype=torch.float32, device="cpu",
-                           sample_every=1, tol=1e-5, draw_m=lambda r: r.randint(0, 24))
+            samples = soak(
+                layers,
+                mgr,
+                steps=6,
+                max_m=24,
+                hidden=32,
+                dtype=torch.float32,
+                device="cpu",
+                sample_every=1,
+                tol=1e-5,
+                draw_m=lambda r: r.randint(0, 24),
+            )
         finally:
             mgr.unfreeze()
     assert samples >= 4 and mgr.stats.growths == 0 and mgr.stats.device_allocations == 1
@@ -147,8 +168,18 @@ def test_gpu_soak_10k_steps_48_layers():
     log_max = math.log(MAX_M + 1)
     draw_m = lambda r: min(MAX_M, int(math.exp(r.uniform(0.0, log_max))) - 1)  # noqa: E731
     # warm-up (compiles every kernel variant the M range needs), then memory must stay flat
-    soak(layers, mgr, steps=50, max_m=MAX_M, hidden=H, dtype=torch.bfloat16, device=dev, sample_every=25,
-         tol=2e-2, draw_m=draw_m)
+    soak(
+        layers,
+        mgr,
+        steps=50,
+        max_m=MAX_M,
+        hidden=H,
+        dtype=torch.bfloat16,
+        device=dev,
+        sample_every=25,
+        tol=2e-2,
+        draw_m=draw_m,
+    )
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated(dev)
     seen = []
@@ -162,8 +193,19 @@ def test_gpu_soak_10k_steps_48_layers():
             print(f"soak step {step}/{steps}: {time.perf_counter() - start:.0f} s", flush=True)
 
     try:
-        samples = soak(layers, mgr, steps=steps, max_m=MAX_M, hidden=H, dtype=torch.bfloat16, device=dev,
-                       sample_every=250, tol=2e-2, draw_m=draw_m, on_step=on_step)
+        samples = soak(
+            layers,
+            mgr,
+            steps=steps,
+            max_m=MAX_M,
+            hidden=H,
+            dtype=torch.bfloat16,
+            device=dev,
+            sample_every=250,
+            tol=2e-2,
+            draw_m=draw_m,
+            on_step=on_step,
+        )
     finally:
         mgr.unfreeze()
     torch.cuda.synchronize()

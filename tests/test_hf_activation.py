@@ -14,8 +14,9 @@ from fusedmoe import FusedMoE, fused_moe, route
 from fusedmoe.reference import activation_reference, fused_moe_reference, relative_error
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                  reason="Triton needs a GPU or the CPU interpreter")
+needs_triton = pytest.mark.skipif(
+    not INTERPRET and not torch.cuda.is_available(), reason="Triton needs a GPU or the CPU interpreter"
+)
 
 
 def _case(M=37, H=64, I=32, E=8, k=2, seed=0, dtype=torch.float32, device="cpu"):

@@ -31,8 +31,9 @@ def test_compile_patched_qwen3_inductor_fullgraph():
     assert manager.stats.calls == model.config.num_hidden_layers  # the op ran fusedmoe with the model's manager
 
 
-@pytest.mark.parametrize("arch,mode", [("qwen3_moe", "register"), ("gpt_oss", "patch"), ("gpt_oss", "register"),
-                                       ("qwen2_moe", "patch")])
+@pytest.mark.parametrize(
+    "arch,mode", [("qwen3_moe", "register"), ("gpt_oss", "patch"), ("gpt_oss", "register"), ("qwen2_moe", "patch")]
+)
 def test_compile_fullgraph_aot_eager(arch, mode):
     hf.register()
     model = tiny_model(arch)

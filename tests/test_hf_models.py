@@ -31,7 +31,7 @@ def _logits(model, ids):
 def _greedy(model, ids):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[:, ids.shape[1]:]
+    return out[:, ids.shape[1] :]
 
 
 def _moe_blocks(model):
@@ -181,8 +181,16 @@ def test_triton_backend_gpt_oss_block():
 def test_patch_model_errors():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dense = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    dense = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
     with pytest.raises(ValueError, match="no MoE block"):
         hf.patch_model(dense)
     with pytest.raises(NotImplementedError, match="hidden_act"):
@@ -284,8 +292,9 @@ def test_patch_model_refuses_what_it_would_not_run():
     assert not hf.patched_blocks(model) and model.config._experts_implementation != "fusedmoe"
     del block.forward
     experts = model.model.layers[0].mlp.experts
-    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().to(torch.float8_e4m3fn),
-                                              requires_grad=False)
+    experts.gate_up_proj = torch.nn.Parameter(
+        experts.gate_up_proj.detach().to(torch.float8_e4m3fn), requires_grad=False
+    )
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp .*float8_e4m3fn"):
         hf.patch_model(model)
     with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts .*float8_e4m3fn"):

@@ -186,8 +186,12 @@ def test_patched_state_dict_is_the_original(arch):
 
     def exposed(m):
         sd = {k: (v.data_ptr(), v.dtype, tuple(v.shape)) for k, v in m.state_dict().items()}
-        return sd, [n for n, _ in m.named_parameters()], [n for n, _ in m.named_buffers()], \
-            [n for n, _ in m.named_modules()]
+        return (
+            sd,
+            [n for n, _ in m.named_parameters()],
+            [n for n, _ in m.named_buffers()],
+            [n for n, _ in m.named_modules()],
+        )
 
     before = exposed(model)
     classes = {n: type(m) for n, m in model.named_modules()}

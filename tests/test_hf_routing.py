@@ -11,8 +11,16 @@ pytest.importorskip("transformers")
 
 from fusedmoe import route  # noqa: E402
 
-_TINY = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
-             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+_TINY = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+)
 
 
 def _by_id(w, i):
@@ -84,4 +92,3 @@ def test_fill_order_and_distinct_ids():
     in_kept = (i.long() // 4).unsqueeze(-1).eq(kept.unsqueeze(1)).any(-1)
     assert in_kept[:, :8].all() and not in_kept[:, 8:].any()  # the 8 kept experts lead, the 3 fills follow
     assert (w[:, :8].diff(dim=1) <= 0).all()
-

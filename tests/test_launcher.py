@@ -37,7 +37,7 @@ def _inputs(seed: int, m: int = M, *, row_stride: int | None = None):
     else:
         base = torch.randn(m + 1, row_stride, generator=g).to(DEV)
         off = 4 * (seed % ((row_stride - H) // 4 + 1))
-        x = base[1:, off:off + H]
+        x = base[1:, off : off + H]
     w1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEV)
     w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEV)
     tw, ti = route(torch.randn(m, E, generator=g).to(DEV), K)
@@ -58,15 +58,29 @@ def _trace_key(args):
     x, w1, w2, tw, ti = args
     from fusedmoe.checks import check_fused_moe_args
 
-    p = check_fused_moe_args(x, w1, w2, tw, ti, activation="silu", apply_router_weight_on_input=False,
-                             expert_map=None, global_num_experts=None, quant=None, w1_scale=None, w2_scale=None,
-                             a1_scale=None, a2_scale=None)
+    p = check_fused_moe_args(
+        x,
+        w1,
+        w2,
+        tw,
+        ti,
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=None,
+        global_num_experts=None,
+        quant=None,
+        w1_scale=None,
+        w2_scale=None,
+        a1_scale=None,
+        a2_scale=None,
+    )
     sig = input_signature(x, w1, w2, tw, ti, None, None, None, None, None, None, None)
     return kernel, p, sig
 
 
 def _no_steps(monkeypatch):
     """From now on a call that runs the steps (instead of replaying) fails the test."""
+
     def boom(*a, **k):
         raise AssertionError("the steps ran: the call was not replayed")
 
@@ -286,9 +300,19 @@ def test_gpu_layer_replay_matches_generic_launches(preset, monkeypatch):
     routing = dict(ROUTING_PRESETS[preset])
     if preset == "deepseek-v3":
         routing["num_expert_groups"], routing["topk_groups"] = 4, 2
-    layer = FusedMoE(16, 4, 256, 128, dtype=torch.bfloat16, device="cuda", correction_bias=preset == "deepseek-v3",
-                     router_bias=preset == "gpt-oss", expert_bias=preset == "gpt-oss",
-                     activation="swigluoai" if preset == "gpt-oss" else "silu", **routing)
+    layer = FusedMoE(
+        16,
+        4,
+        256,
+        128,
+        dtype=torch.bfloat16,
+        device="cuda",
+        correction_bias=preset == "deepseek-v3",
+        router_bias=preset == "gpt-oss",
+        expert_bias=preset == "gpt-oss",
+        activation="swigluoai" if preset == "gpt-oss" else "silu",
+        **routing,
+    )
     if preset == "deepseek-v3":
         layer.e_score_correction_bias.normal_()
     xs = [torch.randn(2, 5, 256, device="cuda", dtype=torch.bfloat16) for _ in range(3)]

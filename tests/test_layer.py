@@ -32,11 +32,20 @@ def layer_reference(layer, x, router_logits=None):
     if router_logits is None:
         router_logits = F.linear(x, layer.gate)  # same op as the layer, so the same ids
     weights, ids = route(
-        router_logits.reshape(-1, layer.num_experts), layer.top_k,
-        correction_bias=layer.e_score_correction_bias, **layer.routing,
+        router_logits.reshape(-1, layer.num_experts),
+        layer.top_k,
+        correction_bias=layer.e_score_correction_bias,
+        **layer.routing,
     )
-    out = fused_moe_reference(x, layer.w1, layer.w2, weights, ids, activation=layer.activation,
-                              apply_router_weight_on_input=layer.apply_router_weight_on_input)
+    out = fused_moe_reference(
+        x,
+        layer.w1,
+        layer.w2,
+        weights,
+        ids,
+        activation=layer.activation,
+        apply_router_weight_on_input=layer.apply_router_weight_on_input,
+    )
     if layer.num_shared_experts:
         x64 = x.double()
         h = act64(x64 @ layer.shared_w1.double().T, layer.activation)
@@ -68,8 +77,9 @@ def make_layer(**kw):
 
 
 # ---- forward vs reference ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(H,), (1, H), (37, H), (3, 5, H), (2, 3, 4, H), (0, H), (2, 0, H)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(H,), (1, H), (37, H), (3, 5, H), (2, 3, 4, H), (0, H), (2, 0, H)], ids=lambda s: "x".join(map(str, s))
+)
 def test_forward_shapes_match_reference(shape):
     """Inputs of any leading shape [..., H] give an output of the same shape equal to the reference."""
     layer = make_layer()
@@ -137,8 +147,19 @@ def test_route_method_matches_route():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_parameter_shapes(dtype):
     """Parameters have the documented shapes, dtype, device and are not trainable."""
-    layer = FusedMoE(E, K, H, I, num_shared_experts=2, shared_intermediate_size=12, shared_expert_gate=True,
-                     correction_bias=True, scoring="sigmoid", dtype=dtype, device="cpu")
+    layer = FusedMoE(
+        E,
+        K,
+        H,
+        I,
+        num_shared_experts=2,
+        shared_intermediate_size=12,
+        shared_expert_gate=True,
+        correction_bias=True,
+        scoring="sigmoid",
+        dtype=dtype,
+        device="cpu",
+    )
     shapes = {
         "w1": (E, 2 * I, H),
         "w2": (E, H, I),
@@ -185,10 +206,17 @@ def test_bf16_layer_on_cpu(shared):
 
 # ---- routing settings ----------------------------------------------------------------------------------------
 ROUTINGS = {
-    "sigmoid_groups_bias": dict(scoring="sigmoid", renormalize=True, num_expert_groups=4, topk_groups=2,
-                                correction_bias=True, routed_scaling_factor=2.5),
-    "softmax_groups_norenorm": dict(scoring="softmax", renormalize=False, num_expert_groups=8, topk_groups=3,
-                                    routed_scaling_factor=16.0),
+    "sigmoid_groups_bias": dict(
+        scoring="sigmoid",
+        renormalize=True,
+        num_expert_groups=4,
+        topk_groups=2,
+        correction_bias=True,
+        routed_scaling_factor=2.5,
+    ),
+    "softmax_groups_norenorm": dict(
+        scoring="softmax", renormalize=False, num_expert_groups=8, topk_groups=3, routed_scaling_factor=16.0
+    ),
     "softmax_topk": dict(scoring="softmax_topk"),
     "sigmoid_plain": dict(scoring="sigmoid", renormalize=False),
 }
@@ -206,8 +234,9 @@ def test_routing_settings_reach_route(name):
     x = torch.randn(50, H)
     logits = F.linear(x, layer.gate)
     w, ids = layer.route(x)
-    w_direct, ids_direct = route(logits, K, correction_bias=layer.e_score_correction_bias if has_bias else None,
-                                 **settings)
+    w_direct, ids_direct = route(
+        logits, K, correction_bias=layer.e_score_correction_bias if has_bias else None, **settings
+    )
     assert torch.equal(ids, ids_direct) and torch.equal(w, w_direct)
     # the settings matter: default softmax routing picks different experts or weights (softmax_topk is
     # mathematically softmax + renormalize, the default, so it is exempt)

@@ -22,11 +22,11 @@ def _imports(path: Path, top_level_only: bool = False) -> list[str]:
     pkg = mod if path.name == "__init__.py" else mod[:-1]
     names = []
     tree = ast.parse(path.read_text())
-    for node in (tree.body if top_level_only else ast.walk(tree)):
+    for node in tree.body if top_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = pkg[:len(pkg) - node.level + 1] if node.level else []
+            base = pkg[: len(pkg) - node.level + 1] if node.level else []
             target = ".".join(base + (node.module.split(".") if node.module else []))
             names.append(target)
             names += [f"{target}.{a.name}" for a in node.names]
@@ -34,8 +34,11 @@ def _imports(path: Path, top_level_only: bool = False) -> list[str]:
 
 
 def _core_files() -> list[Path]:
-    return [p for p in PACKAGE.rglob("*.py")
-            if not ".".join(_module(p)).startswith(OUTSIDE_CORE) and p.name != "__main__.py"]
+    return [
+        p
+        for p in PACKAGE.rglob("*.py")
+        if not ".".join(_module(p)).startswith(OUTSIDE_CORE) and p.name != "__main__.py"
+    ]
 
 
 def test_the_core_imports_no_tools():
@@ -46,8 +49,12 @@ def test_the_core_imports_no_tools():
 
 
 def test_the_core_imports_no_integration_at_module_level():
-    bad = {str(p.relative_to(PACKAGE)): n for p in _core_files() for n in _imports(p, top_level_only=True)
-           if n.startswith("fusedmoe.integrations")}
+    bad = {
+        str(p.relative_to(PACKAGE)): n
+        for p in _core_files()
+        for n in _imports(p, top_level_only=True)
+        if n.startswith("fusedmoe.integrations")
+    }
     assert not bad, f"core modules import integrations: {bad}"
 
 

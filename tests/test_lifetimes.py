@@ -69,7 +69,8 @@ def _kernels(M: int) -> dict[str, MoEKernel]:
         "ep-torch": MoEKernel(AllToAllPrepareFinalize(StubTransport(), **ep), TorchExperts()),
         "ep-triton": MoEKernel(AllToAllPrepareFinalize(StubTransport(), **ep), TritonExperts()),
         "ep-batched-triton": MoEKernel(
-            AllToAllPrepareFinalize(StubTransport(), **ep, layout=Layout.BATCHED), BatchedTritonExperts()),
+            AllToAllPrepareFinalize(StubTransport(), **ep, layout=Layout.BATCHED), BatchedTritonExperts()
+        ),
     }
 
 
@@ -87,16 +88,28 @@ def _problem(kernel_name: str, M: int, quant, activation: str, variant: int) -> 
     mapped = ep or variant == 2
     E, global_E = (4, 8) if ep else ((8, 16) if mapped else (8, 8))
     dt = torch.float16
-    return MoEProblem(M=M, H=256, I=128, E=E, global_E=global_E, top_k=2, dtype=dt,
-                      weight_dtype=torch.float8_e4m3fn if q is not None else dt, activation=activation,
-                      apply_router_weight_on_input=variant == 1, has_expert_map=mapped, quant=q,
-                      has_bias=variant == 3)
+    return MoEProblem(
+        M=M,
+        H=256,
+        I=128,
+        E=E,
+        global_E=global_E,
+        top_k=2,
+        dtype=dt,
+        weight_dtype=torch.float8_e4m3fn if q is not None else dt,
+        activation=activation,
+        apply_router_weight_on_input=variant == 1,
+        has_expert_map=mapped,
+        quant=q,
+        has_bias=variant == 3,
+    )
 
 
 def _grid():
     for M in MS:
         for (name, kernel), quant, act, pin, dec, variant in itertools.product(
-                _kernels(M).items(), QUANTS, ACTIVATIONS, PINS, (False, True), range(4)):
+            _kernels(M).items(), QUANTS, ACTIVATIONS, PINS, (False, True), range(4)
+        ):
             if dec and name != "triton":
                 continue
             p = _problem(name, M, quant, act, variant)
@@ -211,19 +224,27 @@ def test_a_view_kept_across_steps_is_caught_in_poison_runs():
     the manager poisons (the mode every poison test runs in)."""
     kernel = MoEKernel(LocalPrepareFinalize(), _StashingExperts())
     p = MoEProblem(2, 16, 8, 2, 2, 1, torch.float32, torch.float32)
-    x = ExpertsInputs(torch.randn(2, 16), torch.randn(2, 16, 16), torch.randn(2, 16, 8), torch.ones(2, 1),
-                      torch.zeros(2, 1, dtype=torch.int32))
+    x = ExpertsInputs(
+        torch.randn(2, 16),
+        torch.randn(2, 16, 16),
+        torch.randn(2, 16, 8),
+        torch.ones(2, 1),
+        torch.zeros(2, 1, dtype=torch.int32),
+    )
     kernel(x, p, manager=WorkspaceManager("cpu"))  # plain mode: no check
     with pytest.raises(PlanError, match=r"left an arena view in state\['kept'\]"):
         kernel(x, p, manager=WorkspaceManager("cpu", poison=True))
 
 
 # ---- regression: fp8 per-tensor dynamic at small M --------------------------------------------------------------
-@pytest.mark.parametrize("device,dtype", [
-    pytest.param("cpu", torch.float16, marks=interpreter, id="cpu-fp16"),
-    pytest.param("cuda", torch.float16, marks=pytest.mark.gpu, id="cuda-fp16"),
-    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu, id="cuda-bf16"),
-])
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        pytest.param("cpu", torch.float16, marks=interpreter, id="cpu-fp16"),
+        pytest.param("cuda", torch.float16, marks=pytest.mark.gpu, id="cuda-fp16"),
+        pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu, id="cuda-bf16"),
+    ],
+)
 @pytest.mark.parametrize("M", [1, 2, 3])
 @pytest.mark.parametrize("k", [1, 2])
 def test_fp8_per_tensor_dynamic_small_m_poison(M, k, device, dtype):
@@ -239,9 +260,21 @@ def test_fp8_per_tensor_dynamic_small_m_poison(M, k, device, dtype):
     w1q, w2q, s1, s2 = quantize_weights(w1, w2, q)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int().to(device)
     tw = (torch.rand(M, k, generator=g) + 0.1).to(device)
-    outs = [fused_moe(x, w1q, w2q, tw, ids, quant=q, w1_scale=s1, w2_scale=s2, backend="triton",
-                      workspace=WorkspaceManager(device, strategy=s, poison=poison))
-            for s, poison in (("shared", True), ("shared", False), ("alloc_zeros", False), ("alloc_empty", True))]
+    outs = [
+        fused_moe(
+            x,
+            w1q,
+            w2q,
+            tw,
+            ids,
+            quant=q,
+            w1_scale=s1,
+            w2_scale=s2,
+            backend="triton",
+            workspace=WorkspaceManager(device, strategy=s, poison=poison),
+        )
+        for s, poison in (("shared", True), ("shared", False), ("alloc_zeros", False), ("alloc_empty", True))
+    ]
     ref = fused_moe_reference(x, w1q, w2q, tw, ids, quant=q, w1_scale=s1, w2_scale=s2)
     assert relative_error(outs[0], ref) < 6e-2
     for o in outs[1:]:
@@ -281,7 +314,8 @@ def test_config_folder_and_decode_switch_are_part_of_the_launch(tmp_path, monkey
     p = MoEProblem(2, 64, 32, 16, 16, 2, torch.float32, torch.float32)
     default = kernel.program(p)
     (tmp_path / config_file_name(16, 32, device_name())).write_text(
-        table_to_json({1: MoEConfig.simple(64, 32, 32)}, "test"))
+        table_to_json({1: MoEConfig.simple(64, 32, 32)}, "test")
+    )
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
     clear_cache()
     try:

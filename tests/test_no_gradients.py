@@ -15,9 +15,13 @@ REMEDY = r"torch.no_grad\(\) or torch.inference_mode\(\)"
 
 def _inputs(requires=("hidden_states",)):
     g = torch.Generator().manual_seed(0)
-    t = dict(hidden_states=torch.randn(5, 16, generator=g), w1=torch.randn(4, 32, 16, generator=g) / 4,
-             w2=torch.randn(4, 16, 16, generator=g) / 4, topk_weights=torch.rand(5, 2, generator=g),
-             topk_ids=torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], dtype=torch.int32))
+    t = dict(
+        hidden_states=torch.randn(5, 16, generator=g),
+        w1=torch.randn(4, 32, 16, generator=g) / 4,
+        w2=torch.randn(4, 16, 16, generator=g) / 4,
+        topk_weights=torch.rand(5, 2, generator=g),
+        topk_ids=torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], dtype=torch.int32),
+    )
     for name in requires:
         t[name].requires_grad_(True)
     return t

@@ -40,8 +40,10 @@ def _problem(M=9, H=64, I=48, E=6, k=2, seed=0, bias=False, scale=1.0):
 # ---- op contract ------------------------------------------------------------------------------------------------
 def test_schema():
     s = str(OP._schema)
-    assert s.startswith("fusedmoe::fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
-                        "Tensor topk_ids, Tensor? w1_bias=None, Tensor? w2_bias=None, str activation=\"silu\"")
+    assert s.startswith(
+        "fusedmoe::fused_moe(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
+        'Tensor topk_ids, Tensor? w1_bias=None, Tensor? w2_bias=None, str activation="silu"'
+    )
     assert s.endswith("-> Tensor")
 
 
@@ -121,8 +123,17 @@ def test_layer_compiles_through_op_and_eager_stays_direct(monkeypatch):
     real = op_mod._run
     monkeypatch.setattr(op_mod, "_run", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
-    layer = FusedMoE(8, 2, 64, 32, num_shared_experts=1, expert_bias=True, router_bias=True, activation="swigluoai",
-                     workspace=WorkspaceManager("cpu"))
+    layer = FusedMoE(
+        8,
+        2,
+        64,
+        32,
+        num_shared_experts=1,
+        expert_bias=True,
+        router_bias=True,
+        activation="swigluoai",
+        workspace=WorkspaceManager("cpu"),
+    )
     with torch.no_grad():
         for p in (layer.w1_bias, layer.w2_bias, layer.gate_bias):
             p.normal_()

@@ -13,8 +13,9 @@ POISON = 0x7F7F7F7F
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Shrink the regime thresholds and sub-chunks so every path (and its loops) runs on few slots."""
-    for name, value in dict(PAIRS_MAX_SLOTS=32, SINGLE_MAX_SLOTS=160, MIN_SUB=16, MAX_SUB=32, TARGET_PROGRAMS=4,
-                            MAX_PROGRAMS=4).items():
+    for name, value in dict(
+        PAIRS_MAX_SLOTS=32, SINGLE_MAX_SLOTS=160, MIN_SUB=16, MAX_SUB=32, TARGET_PROGRAMS=4, MAX_PROGRAMS=4
+    ).items():
         monkeypatch.setattr(A, name, value)
     align_params.cache_clear()
     yield
@@ -123,8 +124,12 @@ def test_align_params_regimes():
     assert p.mode == "single" and p.fused and p.partial_shape == (0, 128)
     assert align_params(A.SINGLE_MAX_SLOTS, 128, 16).mode == "single"
     p = align_params(A.SINGLE_MAX_SLOTS + 1, 128, 16)
-    assert p.mode == "two" and not p.fused and p.partial_shape == (p.n_prog, 128) and align_launches(
-        A.SINGLE_MAX_SLOTS + 1, 128, 16) == 2
+    assert (
+        p.mode == "two"
+        and not p.fused
+        and p.partial_shape == (p.n_prog, 128)
+        and align_launches(A.SINGLE_MAX_SLOTS + 1, 128, 16) == 2
+    )
     for n in (129, 512, 2048, 8192, 16384, 131072):
         p = align_params(n, 256, 64)
         assert p.n_prog <= A.MAX_PROGRAMS and p.n_prog * p.span >= n > (p.n_prog - 1) * p.span

@@ -28,8 +28,22 @@ def _run(x, w1, w2, w, ids, *, emap=None, gE=None, activation="silu", on_input=F
     k, I = ids.shape[1], w2.shape[2]
     out = torch.full((M, H), float("nan"), device=x.device)
     act = torch.full((M * k, I), float("nan"), device=x.device)  # poisoned scratch
-    moe_decode(x, w1, w2, w, ids, out, act, expert_map=emap, global_num_experts=gE or w1.shape[0],
-               activation=activation, apply_router_weight_on_input=on_input, block_n1=16, block_n2=16, block_k=32)
+    moe_decode(
+        x,
+        w1,
+        w2,
+        w,
+        ids,
+        out,
+        act,
+        expert_map=emap,
+        global_num_experts=gE or w1.shape[0],
+        activation=activation,
+        apply_router_weight_on_input=on_input,
+        block_n1=16,
+        block_n2=16,
+        block_k=32,
+    )
     return out
 
 
@@ -66,8 +80,9 @@ def test_decode_supported_bounds():
 
 #: (device, dtype, M, E, k, H, I): a tiny float32 problem on the CPU, the qwen3-30b-a3b shape in bf16 on CUDA
 LAYER_CASES = [pytest.param("cpu", torch.float32, 2, 8, 4, 40, 24, marks=interpreter, id="cpu-M2")]
-LAYER_CASES += [pytest.param("cuda", torch.bfloat16, M, 128, 8, 2048, 768, marks=pytest.mark.gpu, id=f"cuda-M{M}")
-                for M in (1, 2)]
+LAYER_CASES += [
+    pytest.param("cuda", torch.bfloat16, M, 128, 8, 2048, 768, marks=pytest.mark.gpu, id=f"cuda-M{M}") for M in (1, 2)
+]
 
 
 @pytest.mark.parametrize("device,dtype,M,E,k,H,I", LAYER_CASES)
@@ -83,9 +98,19 @@ def test_triton_experts_use_the_decode_path_when_enabled(device, dtype, M, E, k,
     with decode_path(True):
         p = fusedmoe.MoEProblem(M, H, I, E, E, k, dtype, dtype, activation=activation)
         assert {b.name for b in get_kernel("triton").plan(p).buffers} == {"act"}
-        clean, dirty = (fusedmoe.fused_moe(x, w1, w2, w, ids, activation=activation, backend="triton",
-                                           workspace=fusedmoe.WorkspaceManager(device, strategy=s, poison=poison))
-                        for s, poison in (("alloc_zeros", False), ("shared", True)))
+        clean, dirty = (
+            fusedmoe.fused_moe(
+                x,
+                w1,
+                w2,
+                w,
+                ids,
+                activation=activation,
+                backend="triton",
+                workspace=fusedmoe.WorkspaceManager(device, strategy=s, poison=poison),
+            )
+            for s, poison in (("alloc_zeros", False), ("shared", True))
+        )
     assert torch.equal(clean, dirty)
     ref = fused_moe_reference(x, w1, w2, w, ids, activation=activation)
     assert relative_error(clean, ref) < tolerance(dtype)

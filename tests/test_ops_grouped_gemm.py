@@ -36,8 +36,18 @@ def test_gemm1(activation, on_input):
     x, w1 = torch.randn(M, H), torch.randn(E, 2 * I, H)
     tw = torch.rand(M, k)
     out = torch.full((M * k, I), float("nan"))
-    moe_gemm1(x, w1, out, s, b, top_k=k, num_blocks=nb, config=CFG, activation=activation,
-              topk_weights=tw if on_input else None)
+    moe_gemm1(
+        x,
+        w1,
+        out,
+        s,
+        b,
+        top_k=k,
+        num_blocks=nb,
+        config=CFG,
+        activation=activation,
+        topk_weights=tw if on_input else None,
+    )
     for slot in range(M * k):
         e = int(loc[slot])
         if e < 0:
@@ -70,8 +80,11 @@ def test_gemm2_fp8(mode):
     w1, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
     _, w2q, _, w2s = quantize_weights(w1, w2, mode)
     a = (torch.randn(M * k, I) * 4).to(FP8_DTYPE)
-    a_s = {"fp8_tensor": torch.tensor([0.5]), "fp8_token": torch.rand(M * k, 1) + 0.5,
-           "fp8_block": torch.rand(M * k, 1) + 0.5}[mode]
+    a_s = {
+        "fp8_tensor": torch.tensor([0.5]),
+        "fp8_token": torch.rand(M * k, 1) + 0.5,
+        "fp8_block": torch.rand(M * k, 1) + 0.5,
+    }[mode]
     w2s_k = w2s.reshape(E, -1) if mode == "fp8_token" else w2s
     out = torch.empty(M * k, H)
     moe_gemm2(a, w2q, out, s, b, num_blocks=nb, config=CFG, quant_mode=mode, a_scale=a_s, w_scale=w2s_k)

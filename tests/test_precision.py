@@ -53,8 +53,10 @@ SHAPES = [(1, 128, 128), (64, 128, 128), (256, 128, 128), (64, 2880, 128), (16, 
 @pytest.mark.parametrize(
     "M,H,I",
     # the 2880 x 2880 shape takes 15-30 s per case on 2 cores
-    [pytest.param(m, h, i, id=f"M{m}-H{h}-I{i}", marks=[pytest.mark.slow] if h * i > 2880 * 128 else [])
-     for m, h, i in SHAPES],
+    [
+        pytest.param(m, h, i, id=f"M{m}-H{h}-I{i}", marks=[pytest.mark.slow] if h * i > 2880 * 128 else [])
+        for m, h, i in SHAPES
+    ],
 )
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])

@@ -17,16 +17,36 @@ def _logits(M=6, E=8, seed=0):
     return torch.randn(M, E, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(scoring="sigmoid", num_expert_groups=4, topk_groups=2,
-                                             routed_scaling_factor=2.5, correction_bias=torch.linspace(0, 1, 8)),
-                                dict(scoring="softmax_topk")], ids=["softmax", "grouped", "softmax_topk"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(
+            scoring="sigmoid",
+            num_expert_groups=4,
+            topk_groups=2,
+            routed_scaling_factor=2.5,
+            correction_bias=torch.linspace(0, 1, 8),
+        ),
+        dict(scoring="softmax_topk"),
+    ],
+    ids=["softmax", "grouped", "softmax_topk"],
+)
 def test_route_op(kw):
     x = _logits()
     w, ids = route_op(x, 3, **kw)
     w2, ids2 = route(x, 3, **kw)
     assert torch.equal(w, w2) and torch.equal(ids, ids2)
-    args = (x, 3, kw.get("scoring", "softmax"), True, kw.get("num_expert_groups", -1), kw.get("topk_groups", -1),
-            kw.get("correction_bias"), float(kw.get("routed_scaling_factor", 1.0)))
+    args = (
+        x,
+        3,
+        kw.get("scoring", "softmax"),
+        True,
+        kw.get("num_expert_groups", -1),
+        kw.get("topk_groups", -1),
+        kw.get("correction_bias"),
+        float(kw.get("routed_scaling_factor", 1.0)),
+    )
     torch.library.opcheck(torch.ops.fusedmoe.route.default, args, test_utils=OPCHECK_TESTS)
 
 
@@ -39,9 +59,8 @@ def test_align_op(emap):
     s, b, n = moe_align_op(ids, E, 4, expert_map=expert_map)
     rs, rb, rn = align_reference(ids, E, 4, expert_map=expert_map)
     assert int(n) == int(rn) and torch.equal(b, rb) and torch.equal(s[: int(n)], rs[: int(n)])
-    assert (s[int(n):] == ids.numel()).all()  # the tail holds the sentinel: every element is determined
-    torch.library.opcheck(torch.ops.fusedmoe.moe_align.default, (ids, E, 4, expert_map, -1),
-                          test_utils=OPCHECK_TESTS)
+    assert (s[int(n) :] == ids.numel()).all()  # the tail holds the sentinel: every element is determined
+    torch.library.opcheck(torch.ops.fusedmoe.moe_align.default, (ids, E, 4, expert_map, -1), test_utils=OPCHECK_TESTS)
 
 
 def test_reduce_op():
@@ -55,8 +74,9 @@ def test_reduce_op():
     ref = torch.where(local[..., None], y.view(M, k, H), 0.0).sum(1)
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
-    torch.library.opcheck(torch.ops.fusedmoe.moe_reduce.default, (y, ids, E, torch.float32, None, -1),
-                          test_utils=OPCHECK_TESTS)
+    torch.library.opcheck(
+        torch.ops.fusedmoe.moe_reduce.default, (y, ids, E, torch.float32, None, -1), test_utils=OPCHECK_TESTS
+    )
 
 
 def test_compose_under_compile():

@@ -77,8 +77,15 @@ def test_quantize_kernel_gated_rows(mode):
     valid = ((ids >= 0) & (ids < E)).reshape(-1)
     x[~valid] = float("nan")
     out = torch.full((M * k, 160), 0x7F, dtype=torch.uint8).view(FP8_DTYPE)
-    q, s = quantize_activation(x, mode, out=out, topk_ids=ids, num_experts=E, global_num_experts=8,
-                               partial=torch.full((num_partials(M * k),), float("nan")))
+    q, s = quantize_activation(
+        x,
+        mode,
+        out=out,
+        topk_ids=ids,
+        num_experts=E,
+        global_num_experts=8,
+        partial=torch.full((num_partials(M * k),), float("nan")),
+    )
     assert torch.isfinite(s[valid] if s.dim() == 2 else s).all()
     rs = activation_scales(x[valid], mode)
     if mode == "fp8_tensor":

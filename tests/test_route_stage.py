@@ -15,18 +15,26 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E, K, H, I = 8, 2, 32, 16
 FAMILIES = {
     "softmax-renorm": dict(scoring="softmax", renormalize=True),
-    "sigmoid-groups-bias": dict(scoring="sigmoid", renormalize=True, num_expert_groups=4, topk_groups=2,
-                                routed_scaling_factor=2.5, correction_bias=True),
+    "sigmoid-groups-bias": dict(
+        scoring="sigmoid",
+        renormalize=True,
+        num_expert_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        correction_bias=True,
+    ),
     "softmax-topk": dict(scoring="softmax_topk"),
-    "softmax-groups": dict(scoring="softmax", renormalize=False, num_expert_groups=2, topk_groups=1,
-                           routed_scaling_factor=16.0),
+    "softmax-groups": dict(
+        scoring="softmax", renormalize=False, num_expert_groups=2, topk_groups=1, routed_scaling_factor=16.0
+    ),
 }
 
 
 def _layer(family: str, backend: str, workspace=None) -> FusedMoE:
     torch.manual_seed(0)
-    layer = FusedMoE(E, K, H, I, dtype=torch.float32, device=DEV, backend=backend, workspace=workspace,
-                     **FAMILIES[family])
+    layer = FusedMoE(
+        E, K, H, I, dtype=torch.float32, device=DEV, backend=backend, workspace=workspace, **FAMILIES[family]
+    )
     if layer.e_score_correction_bias is not None:
         layer.e_score_correction_bias.normal_()
     return layer
@@ -70,5 +78,10 @@ def test_gpu_the_routing_launch_joins_the_layer_trace():
     kernel = get_kernel("triton")
     key = layer._key(x, None)[1]
     trace = kernel.traces.get((kernel.program(p)[0], key))
-    assert [name for name, _ in trace.parts()] == ["_route_kernel", "_align_pairs", "_moe_gemm1", "_moe_gemm2",
-                                                   "_moe_reduce"]
+    assert [name for name, _ in trace.parts()] == [
+        "_route_kernel",
+        "_align_pairs",
+        "_moe_gemm1",
+        "_moe_gemm2",
+        "_moe_reduce",
+    ]

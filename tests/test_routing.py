@@ -98,8 +98,11 @@ def test_sigmoid_groups_mask_experts():
     check(route(T(L8), 2, **V3_SMALL), [[0, 4]], [[0.6, 0.4]])
     check(route(T(L8), 2, **V3_SMALL, renormalize=False), [[0, 4]], [[0.9, 0.6]])
     # Keeping every group is the same as no groups.
-    check(route(T(L8), 2, scoring="sigmoid", renormalize=False, num_expert_groups=4, topk_groups=4),
-          [[0, 2]], [[0.9, 0.75]])
+    check(
+        route(T(L8), 2, scoring="sigmoid", renormalize=False, num_expert_groups=4, topk_groups=4),
+        [[0, 2]],
+        [[0.9, 0.75]],
+    )
 
 
 def test_sigmoid_groups_bias_changes_choice_not_weights():
@@ -203,12 +206,10 @@ def test_all_scores_underflow_gives_zero_not_nan():
 
 ALL_MODES = [
     dict(scoring="softmax"),
-    dict(scoring="softmax", renormalize=False, routed_scaling_factor=16.0, num_expert_groups=4,
-         topk_groups=2),
+    dict(scoring="softmax", renormalize=False, routed_scaling_factor=16.0, num_expert_groups=4, topk_groups=2),
     dict(scoring="softmax", num_expert_groups=4, topk_groups=2, correction_bias="rand"),
     dict(scoring="sigmoid"),
-    dict(scoring="sigmoid", num_expert_groups=8, topk_groups=3, correction_bias="rand",
-         routed_scaling_factor=2.5),
+    dict(scoring="sigmoid", num_expert_groups=8, topk_groups=3, correction_bias="rand", routed_scaling_factor=2.5),
     dict(scoring="softmax_topk"),
 ]
 
@@ -258,9 +259,9 @@ def _naive(logits, k, scoring, renormalize, G, TG, bias, scale):
         if G is not None:
             gs = E // G
             if scoring == "sigmoid" or bias is not None:
-                rank = [sum(sorted(c[g * gs:(g + 1) * gs], reverse=True)[:2]) for g in range(G)]
+                rank = [sum(sorted(c[g * gs : (g + 1) * gs], reverse=True)[:2]) for g in range(G)]
             else:
-                rank = [max(c[g * gs:(g + 1) * gs]) for g in range(G)]
+                rank = [max(c[g * gs : (g + 1) * gs]) for g in range(G)]
             kept = sorted(range(G), key=lambda g: -rank[g])[:TG]
             allowed = {e for e in range(E) if e // gs in kept}
         ids = sorted(allowed, key=lambda e: -c[e])[:k]
@@ -281,8 +282,16 @@ def test_matches_naive_reference(scoring, renormalize, groups, with_bias):
     x = torch.randn(M, E) * 2
     bias = (torch.rand(E) * 0.3) if with_bias else None
     G, TG = groups if groups else (None, None)
-    w, i = route(x, k, scoring=scoring, renormalize=renormalize, num_expert_groups=G, topk_groups=TG,
-                 correction_bias=bias, routed_scaling_factor=1.5)
+    w, i = route(
+        x,
+        k,
+        scoring=scoring,
+        renormalize=renormalize,
+        num_expert_groups=G,
+        topk_groups=TG,
+        correction_bias=bias,
+        routed_scaling_factor=1.5,
+    )
     w_ref, i_ref = _naive(x, k, scoring, renormalize, G, TG, bias.tolist() if with_bias else None, 1.5)
     assert torch.equal(i.long(), i_ref)
     torch.testing.assert_close(w, w_ref.float(), atol=1e-6, rtol=0)
@@ -364,23 +373,33 @@ def test_vs_transformers_gpt_oss():
 @needs_hf
 @pytest.mark.parametrize(
     "method,E,k,G,TG,scale",
-    [("greedy", 64, 6, None, None, 1.0), ("group_limited_greedy", 32, 4, 4, 2, 16.0),
-     ("group_limited_greedy", 160, 6, 8, 3, 16.0)],
+    [
+        ("greedy", 64, 6, None, None, 1.0),
+        ("group_limited_greedy", 32, 4, 4, 2, 16.0),
+        ("group_limited_greedy", 160, 6, 8, 3, 16.0),
+    ],
 )
 def test_vs_transformers_deepseek_v2(method, E, k, G, TG, scale):
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
-    cfg = transformers.DeepseekV2Config(**_TINY, n_routed_experts=E, num_experts_per_tok=k,
-                                        topk_method=method, n_group=G, topk_group=TG,
-                                        routed_scaling_factor=scale)
+    cfg = transformers.DeepseekV2Config(
+        **_TINY,
+        n_routed_experts=E,
+        num_experts_per_tok=k,
+        topk_method=method,
+        n_group=G,
+        topk_group=TG,
+        routed_scaling_factor=scale,
+    )
     router = DeepseekV2TopkRouter(cfg)
     if E == 160:  # full-size DeepSeek-V2: exactly the preset
         kw = ROUTING_PRESETS["deepseek-v2"]
     elif E == 64:  # DeepSeek-V2-Lite
         kw = ROUTING_PRESETS["deepseek-v2-lite"]
     else:
-        kw = dict(scoring="softmax", renormalize=False, num_expert_groups=G, topk_groups=TG,
-                  routed_scaling_factor=scale)
+        kw = dict(
+            scoring="softmax", renormalize=False, num_expert_groups=G, topk_groups=TG, routed_scaling_factor=scale
+        )
     logits = _hf_vs_route(router, 300, **kw)
     if G is not None:  # the groups really restricted the choice for some tokens
         _, i_free = route(logits, k, scoring="softmax", renormalize=False)
@@ -395,13 +414,26 @@ def test_vs_transformers_deepseek_v2(method, E, k, G, TG, scale):
 def test_vs_transformers_deepseek_v3(E, k, G, TG, norm, scale):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    cfg = transformers.DeepseekV3Config(**_TINY, n_routed_experts=E, num_experts_per_tok=k, n_group=G,
-                                        topk_group=TG, norm_topk_prob=norm, routed_scaling_factor=scale)
+    cfg = transformers.DeepseekV3Config(
+        **_TINY,
+        n_routed_experts=E,
+        num_experts_per_tok=k,
+        n_group=G,
+        topk_group=TG,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+    )
     router = DeepseekV3TopkRouter(cfg)
     bias = torch.randn(E) * 0.1
     router.e_score_correction_bias.copy_(bias)
-    kw = dict(scoring="sigmoid", renormalize=norm, num_expert_groups=G, topk_groups=TG, correction_bias=bias,
-              routed_scaling_factor=scale)
+    kw = dict(
+        scoring="sigmoid",
+        renormalize=norm,
+        num_expert_groups=G,
+        topk_groups=TG,
+        correction_bias=bias,
+        routed_scaling_factor=scale,
+    )
     if E == 256:  # full-size DeepSeek-V3: exactly the preset plus the bias
         kw = dict(ROUTING_PRESETS["deepseek-v3"], correction_bias=bias)
     logits = _hf_vs_route(router, 300, **kw)
@@ -423,8 +455,14 @@ def test_presets():
     assert ROUTING_PRESETS["deepseek-v2"]["renormalize"] is False
     assert ROUTING_PRESETS["deepseek-v2-lite"] == dict(scoring="softmax", renormalize=False)
     # Every preset is accepted at its model's size (E, k), and there is no preset without a size here.
-    sizes = {"qwen3-moe": (128, 8), "mixtral": (8, 2), "deepseek-v2": (160, 6), "deepseek-v2-lite": (64, 6),
-             "deepseek-v3": (256, 8), "gpt-oss": (32, 4)}
+    sizes = {
+        "qwen3-moe": (128, 8),
+        "mixtral": (8, 2),
+        "deepseek-v2": (160, 6),
+        "deepseek-v2-lite": (64, 6),
+        "deepseek-v3": (256, 8),
+        "gpt-oss": (32, 4),
+    }
     assert set(sizes) == set(ROUTING_PRESETS)
     for name, (E, k) in sizes.items():
         w, i = route(torch.randn(3, E), k, **ROUTING_PRESETS[name])
@@ -460,15 +498,23 @@ INVALID = [
     ((X, 2), {"num_expert_groups": 2.0, "topk_groups": 1}, ValueError, ["num_expert_groups"]),
     ((X, 2), {"num_expert_groups": 4, "topk_groups": 0}, ValueError, ["topk_groups"]),
     ((X, 2), {"num_expert_groups": 4, "topk_groups": 5}, ValueError, ["topk_groups"]),
-    ((X, 2), {"scoring": "softmax_topk", "num_expert_groups": 4, "topk_groups": 2}, ValueError,
-     ["scoring", "num_expert_groups"]),
+    (
+        (X, 2),
+        {"scoring": "softmax_topk", "num_expert_groups": 4, "topk_groups": 2},
+        ValueError,
+        ["scoring", "num_expert_groups"],
+    ),
     ((X, 2), {"correction_bias": [0.0] * 8}, TypeError, ["correction_bias"]),
     ((X, 2), {"correction_bias": torch.zeros(8, dtype=torch.int32)}, TypeError, ["correction_bias"]),
     ((X, 2), {"correction_bias": torch.zeros(7)}, ValueError, ["correction_bias"]),
     ((X, 2), {"correction_bias": torch.zeros(1, 8)}, ValueError, ["correction_bias"]),
     ((X, 2), {"correction_bias": torch.zeros(8, device="meta")}, ValueError, ["correction_bias"]),
-    ((X, 2), {"scoring": "softmax_topk", "correction_bias": torch.zeros(8)}, ValueError,
-     ["scoring", "correction_bias"]),
+    (
+        (X, 2),
+        {"scoring": "softmax_topk", "correction_bias": torch.zeros(8)},
+        ValueError,
+        ["scoring", "correction_bias"],
+    ),
     ((X, 2), {"routed_scaling_factor": 0.0}, ValueError, ["routed_scaling_factor"]),
     ((X, 2), {"routed_scaling_factor": -1.0}, ValueError, ["routed_scaling_factor"]),
     ((X, 2), {"routed_scaling_factor": float("inf")}, ValueError, ["routed_scaling_factor"]),

@@ -20,8 +20,9 @@ MODES = {
     "softmax": dict(scoring="softmax"),
     "softmax-norenorm": dict(scoring="softmax", renormalize=False, routed_scaling_factor=2.0),
     "sigmoid": dict(scoring="sigmoid"),
-    "sigmoid-bias-groups": dict(scoring="sigmoid", num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5,
-                                correction_bias=True),
+    "sigmoid-bias-groups": dict(
+        scoring="sigmoid", num_expert_groups=4, topk_groups=2, routed_scaling_factor=2.5, correction_bias=True
+    ),
     "softmax-groups": dict(scoring="softmax", renormalize=False, num_expert_groups=4, topk_groups=2),
     "softmax-bias": dict(scoring="softmax", correction_bias=True),
     "softmax_topk": dict(scoring="softmax_topk"),
@@ -36,7 +37,7 @@ def _logits() -> torch.Tensor:
     x[2, 5] = float("inf")  # one +inf
     x[3, [2, 9]] = float("inf")  # two +inf
     x[4] = float("-inf")  # nothing to choose
-    x[5, :E - 2] = float("nan")  # fewer real candidates than k: fillers behind them
+    x[5, : E - 2] = float("nan")  # fewer real candidates than k: fillers behind them
     x[6, 1] = float("-inf")
     x[7, [0, 7]] = float("nan")
     x[7, 11] = float("inf")
@@ -99,8 +100,9 @@ def test_triton_kernel(mode, device):
     assert kernel_supports(E, K, kw.get("num_expert_groups"))
     x = _logits()
     if device == "cpu":
-        full = dict(renormalize=True, num_expert_groups=None, topk_groups=None, correction_bias=None,
-                    routed_scaling_factor=1.0)
+        full = dict(
+            renormalize=True, num_expert_groups=None, topk_groups=None, correction_bias=None, routed_scaling_factor=1.0
+        )
         full.update(kw)
         w, ids = route_fused(x, K, **full)
     else:

@@ -40,8 +40,11 @@ def _case(M, H, I, E, k, *, device="cpu", dtype=torch.float32, gE=None, ids=None
     w1 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
     w2 = torch.randn(E, H, I, generator=g) / I**0.5
     if ids is None:
-        ids = (torch.stack([torch.randperm(gE, generator=g)[:k] for _ in range(M)]).int() if M
-               else torch.empty(0, k, dtype=torch.int32))
+        ids = (
+            torch.stack([torch.randperm(gE, generator=g)[:k] for _ in range(M)]).int()
+            if M
+            else torch.empty(0, k, dtype=torch.int32)
+        )
     tw = torch.rand(M, k, generator=g) + 0.1
     x, w1, w2 = (t.to(device, dtype) for t in (x, w1, w2))
     ids, tw = ids.to(device), tw.to(device)
@@ -51,26 +54,41 @@ def _case(M, H, I, E, k, *, device="cpu", dtype=torch.float32, gE=None, ids=None
         w1, w2, s1, s2 = quantize_weights(w1, w2, q)
         kw = dict(w1_scale=s1, w2_scale=s2)
         if q.static_activation_scale:
-            kw.update(a1_scale=torch.tensor([3.0 / 448], device=device),
-                      a2_scale=torch.tensor([1.0 / 448], device=device))
+            kw.update(
+                a1_scale=torch.tensor([3.0 / 448], device=device), a2_scale=torch.tensor([1.0 / 448], device=device)
+            )
     return x, w1, w2, tw, ids, q, kw
 
 
-def _run(x, w1, w2, tw, ids, q, kw, *, activation="silu", on_input=False, emap=None, gE=None, poison=False,
-         strategy="shared"):
+def _run(
+    x, w1, w2, tw, ids, q, kw, *, activation="silu", on_input=False, emap=None, gE=None, poison=False, strategy="shared"
+):
     M, H = x.shape
     E, two_i, _ = w1.shape
     gE = gE or (emap.numel() if emap is not None else E)
-    p = MoEProblem(M, H, two_i // 2, E, gE, ids.shape[1], x.dtype, w1.dtype, activation, on_input,
-                   emap is not None, q)
+    p = MoEProblem(M, H, two_i // 2, E, gE, ids.shape[1], x.dtype, w1.dtype, activation, on_input, emap is not None, q)
     ex = TritonExperts()
     assert ex.supports(p) is None
     kernel = MoEKernel(LocalPrepareFinalize(), ex)
     assert kernel.plan(p).zero_nbytes == 0
-    out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p,
-                 manager=WorkspaceManager(x.device, strategy=strategy, poison=poison))
-    ref = fused_moe_reference(x, w1, w2, tw, ids, activation=activation, apply_router_weight_on_input=on_input,
-                              expert_map=emap, global_num_experts=gE, quant=q, **kw)
+    out = kernel(
+        ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw),
+        p,
+        manager=WorkspaceManager(x.device, strategy=strategy, poison=poison),
+    )
+    ref = fused_moe_reference(
+        x,
+        w1,
+        w2,
+        tw,
+        ids,
+        activation=activation,
+        apply_router_weight_on_input=on_input,
+        expert_map=emap,
+        global_num_experts=gE,
+        quant=q,
+        **kw,
+    )
     return out, ref
 
 
@@ -227,8 +245,9 @@ def _preset_weights(name, E, H, I, quant):
             w1, w2, s1, s2 = quantize_weights(w1, w2, q)
             kw = dict(w1_scale=s1, w2_scale=s2)
             if q.static_activation_scale:
-                kw.update(a1_scale=torch.tensor([4.0 / 448], device=DEV),
-                          a2_scale=torch.tensor([0.5 / 448], device=DEV))
+                kw.update(
+                    a1_scale=torch.tensor([4.0 / 448], device=DEV), a2_scale=torch.tensor([0.5 / 448], device=DEV)
+                )
         _WEIGHTS[key] = (w1, w2, q, kw)
     return _WEIGHTS[key]
 
@@ -250,13 +269,17 @@ def _slice_map(E, gE):
         return None
     m = torch.full((gE,), -1, dtype=torch.int32, device=DEV)
     m[torch.randperm(gE, generator=torch.Generator().manual_seed(3))[:E].to(DEV)] = torch.arange(
-        E, dtype=torch.int32, device=DEV)
+        E, dtype=torch.int32, device=DEV
+    )
     return m
 
 
 PRESET_CASES = [(name, "bf16", M) for name in PRESETS for M in MS]
-PRESET_CASES += [("qwen3-30b-a3b", qm, M) for qm in ("fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block")
-                 for M in (1, 64, 777)]
+PRESET_CASES += [
+    ("qwen3-30b-a3b", qm, M)
+    for qm in ("fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block")
+    for M in (1, 64, 777)
+]
 PRESET_CASES += [("deepseek-v3", "fp8_block", M) for M in (3, 777)] + [("mixtral-8x7b", "fp8_token", 64)]
 
 
@@ -272,8 +295,9 @@ def test_preset_vs_reference(name, dtype, M):
     p = _preset_problem(M, H, I, E, gE, k, w1, q, emap)
     kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
     assert kernel.unsupported(p) is None
-    out = kernel(ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p,
-                 manager=WorkspaceManager(DEV, poison=True))
+    out = kernel(
+        ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw), p, manager=WorkspaceManager(DEV, poison=True)
+    )
     ref = fused_moe_reference(x, w1, w2, tw, ids, expert_map=emap, global_num_experts=gE, quant=q, **kw)
     if ref.norm() == 0:  # an EP slice may own none of the chosen experts
         assert (out == 0).all()
@@ -350,14 +374,13 @@ def test_gpu_fp8_with_k_below_an_fp8_dot_tile(mode, layout):
         from fusedmoe import BatchedPrepareFinalize, BatchedTritonExperts
 
         kernel = MoEKernel(BatchedPrepareFinalize(M * k), BatchedTritonExperts())
-        p = MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16, weight_dtype=w1q.dtype,
-                       quant=q)
-        out = kernel(ExpertsInputs(x, w1q, w2q, tw, ids, w1_scale=s1, w2_scale=s2), p,
-                     manager=WorkspaceManager("cuda"))
+        p = MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16, weight_dtype=w1q.dtype, quant=q)
+        out = kernel(ExpertsInputs(x, w1q, w2q, tw, ids, w1_scale=s1, w2_scale=s2), p, manager=WorkspaceManager("cuda"))
     ref = fused_moe_reference(x, w1, w2, tw, ids)
     assert relative_error(out, ref) < 0.1  # fp8 weights and activations
     if mode == "fp8_block":
         narrow = QuantConfig(mode, block_shape=(16, 16))
-        p16 = MoEProblem(M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16,
-                         weight_dtype=w1q.dtype, quant=narrow)
+        p16 = MoEProblem(
+            M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16, weight_dtype=w1q.dtype, quant=narrow
+        )
         assert "needs scale groups of >= 32" in get_kernel("triton").unsupported(p16)

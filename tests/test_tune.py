@@ -37,8 +37,16 @@ def _space(bm):
 def _search(time_config, fits=lambda g, gemm: None, block_ms=(16, 32)):
     failures: list[Failure] = []
     base = GemmConfig(16, 64, 64)
-    best = tune_m(8, block_ms, lambda bm: _space(bm)[0], lambda bm: _space(bm)[1],
-                  lambda bm: replace(base, block_m=bm), time_config, fits, failures)
+    best = tune_m(
+        8,
+        block_ms,
+        lambda bm: _space(bm)[0],
+        lambda bm: _space(bm)[1],
+        lambda bm: replace(base, block_m=bm),
+        time_config,
+        fits,
+        failures,
+    )
     return best, failures
 
 
@@ -56,8 +64,9 @@ def test_failures_are_recorded_with_their_reason(capsys):
         return float(c.gemm1.block_n + c.gemm2.block_n)
 
     (t, cfg), failures = _search(time_config)
-    assert failures and all(f.reason == "RuntimeError: out of resources: shared memory, Required: 300000"
-                            for f in failures)
+    assert failures and all(
+        f.reason == "RuntimeError: out of resources: shared memory, Required: 300000" for f in failures
+    )
     assert all(f.config["BLOCK_SIZE_N"] == 64 and f.gemm == "gemm1" for f in failures)
     assert cfg.gemm1.block_n != 64
     assert "failed: M=8 gemm1" in capsys.readouterr().out
@@ -87,8 +96,9 @@ def test_candidates_ruled_out_by_shared_memory_are_reported():
 
 def test_table_records_failures():
     f = Failure(8, "gemm1", 16, GemmConfig(16, 64, 128).to_dict(), "RuntimeError: boom")
-    body = json.loads(table_to_json({8: MoEConfig.simple(16, 32, 64)}, "src; " + describe_failures([f]),
-                                    failures=[vars(f)]))
+    body = json.loads(
+        table_to_json({8: MoEConfig.simple(16, 32, 64)}, "src; " + describe_failures([f]), failures=[vars(f)])
+    )
     assert body["_source"].endswith("1 candidates failed (1x RuntimeError: boom)")
     assert body["_failures"][0]["reason"] == "RuntimeError: boom" and "8" in body
 
@@ -143,8 +153,18 @@ def test_compile_chunks_cover_every_candidate_once():
     for t in targets:
         g1 = {MoEConfig.from_dict(cfg).gemm1 for c in chunks if c[0].preset == t.preset for _, cfg in c[2]}
         g2 = {MoEConfig.from_dict(cfg).gemm2 for c in chunks if c[0].preset == t.preset for _, cfg in c[2]}
-        want1 = {g for M, (bms, c1, _) in t.search_space(DEFAULT_M, False).items() for bm in bms for g in c1[bm]
-                 if fits(t, g, "gemm1") is None}
-        want2 = {g for M, (bms, _, c2) in t.search_space(DEFAULT_M, False).items() for bm in bms for g in c2[bm]
-                 if fits(t, g, "gemm2") is None}
+        want1 = {
+            g
+            for M, (bms, c1, _) in t.search_space(DEFAULT_M, False).items()
+            for bm in bms
+            for g in c1[bm]
+            if fits(t, g, "gemm1") is None
+        }
+        want2 = {
+            g
+            for M, (bms, _, c2) in t.search_space(DEFAULT_M, False).items()
+            for bm in bms
+            for g in c2[bm]
+            if fits(t, g, "gemm2") is None
+        }
         assert g1 == want1 and g2 == want2

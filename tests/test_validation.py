@@ -67,28 +67,47 @@ def meta(t):
 
 # (id, overrides as a function of the good args, exception, message regex, also checkable on meta)
 STRUCTURAL = [
-    ("hidden_not_tensor", lambda a: {"hidden_states": a["hidden_states"].tolist()}, TypeError, "hidden_states",
-     False),
+    ("hidden_not_tensor", lambda a: {"hidden_states": a["hidden_states"].tolist()}, TypeError, "hidden_states", False),
     ("hidden_3d", lambda a: {"hidden_states": a["hidden_states"][None]}, ValueError, "hidden_states", True),
-    ("hidden_int", lambda a: {"hidden_states": a["hidden_states"].to(torch.int32)}, TypeError, "hidden_states",
-     True),
+    ("hidden_int", lambda a: {"hidden_states": a["hidden_states"].to(torch.int32)}, TypeError, "hidden_states", True),
     ("num_experts_0", lambda a: {"w1": a["w1"][:0], "w2": a["w2"][:0]}, ValueError, "num_experts", True),
     ("w1_w2_disagree_on_E", lambda a: {"w2": a["w2"][:3]}, ValueError, "w1 and w2", True),
     ("w1_2d", lambda a: {"w1": a["w1"][0]}, ValueError, "w1", True),
-    ("top_k_0", lambda a: {"topk_ids": a["topk_ids"][:, :0], "topk_weights": a["topk_weights"][:, :0]},
-     ValueError, "top_k.*topk_ids", True),
-    ("top_k_gt_E", lambda a: {"topk_ids": torch.arange(E + 1, dtype=torch.int32).repeat(M, 1).to(a["w1"].device),
-                              "topk_weights": torch.rand(M, E + 1).to(a["w1"].device)},
-     ValueError, "top_k.*topk_ids", True),
-    ("H_hidden_vs_w", lambda a: {"hidden_states": torch.randn(M, H + 4).to(a["w1"].device)}, ValueError,
-     r"w1.*H=44.*hidden_states", True),
+    (
+        "top_k_0",
+        lambda a: {"topk_ids": a["topk_ids"][:, :0], "topk_weights": a["topk_weights"][:, :0]},
+        ValueError,
+        "top_k.*topk_ids",
+        True,
+    ),
+    (
+        "top_k_gt_E",
+        lambda a: {
+            "topk_ids": torch.arange(E + 1, dtype=torch.int32).repeat(M, 1).to(a["w1"].device),
+            "topk_weights": torch.rand(M, E + 1).to(a["w1"].device),
+        },
+        ValueError,
+        "top_k.*topk_ids",
+        True,
+    ),
+    (
+        "H_hidden_vs_w",
+        lambda a: {"hidden_states": torch.randn(M, H + 4).to(a["w1"].device)},
+        ValueError,
+        r"w1.*H=44.*hidden_states",
+        True,
+    ),
     ("H_w1", lambda a: {"w1": torch.randn(E, 2 * I, H - 1).to(a["w1"].device)}, ValueError, r"w1 must be", True),
     ("H_w2", lambda a: {"w2": torch.randn(E, H + 1, I).to(a["w1"].device)}, ValueError, r"w2 must be", True),
-    ("w1_rows_not_2I", lambda a: {"w1": torch.randn(E, 2 * I + 2, H).to(a["w1"].device)}, ValueError,
-     r"w1 rows must be 2 x w2", True),
+    (
+        "w1_rows_not_2I",
+        lambda a: {"w1": torch.randn(E, 2 * I + 2, H).to(a["w1"].device)},
+        ValueError,
+        r"w1 rows must be 2 x w2",
+        True,
+    ),
     ("w1_rows_eq_I", lambda a: {"w1": torch.randn(E, I, H).to(a["w1"].device)}, ValueError, r"w1 rows", True),
-    ("weights_bf16", lambda a: {"w1": a["w1"].bfloat16(), "w2": a["w2"].bfloat16()}, TypeError, r"w1/w2 dtype",
-     True),
+    ("weights_bf16", lambda a: {"w1": a["w1"].bfloat16(), "w2": a["w2"].bfloat16()}, TypeError, r"w1/w2 dtype", True),
     ("w2_f16", lambda a: {"w2": a["w2"].half()}, TypeError, r"w1/w2 dtype", True),
     ("topk_ids_rows", lambda a: {"topk_ids": a["topk_ids"][:-1]}, ValueError, "topk_ids", True),
     ("topk_ids_1d", lambda a: {"topk_ids": a["topk_ids"][:, 0]}, ValueError, "topk_ids", True),
@@ -96,31 +115,62 @@ STRUCTURAL = [
     ("topk_ids_int16", lambda a: {"topk_ids": a["topk_ids"].to(torch.int16)}, TypeError, "topk_ids", True),
     ("topk_weights_shape", lambda a: {"topk_weights": a["topk_weights"][:, :1]}, ValueError, "topk_weights", True),
     ("topk_weights_int", lambda a: {"topk_weights": a["topk_ids"].clone()}, TypeError, "topk_weights", True),
-    ("expert_map_len", lambda a: {"expert_map": torch.arange(2 * E - 1, dtype=torch.int32).to(a["w1"].device),
-                                  "global_num_experts": 2 * E}, ValueError, "expert_map", True),
-    ("expert_map_2d", lambda a: {"expert_map": torch.arange(E, dtype=torch.int32)[None].to(a["w1"].device)},
-     ValueError, "expert_map", True),
-    ("expert_map_float", lambda a: {"expert_map": torch.arange(E, dtype=torch.float32).to(a["w1"].device)},
-     TypeError, "expert_map", True),
+    (
+        "expert_map_len",
+        lambda a: {
+            "expert_map": torch.arange(2 * E - 1, dtype=torch.int32).to(a["w1"].device),
+            "global_num_experts": 2 * E,
+        },
+        ValueError,
+        "expert_map",
+        True,
+    ),
+    (
+        "expert_map_2d",
+        lambda a: {"expert_map": torch.arange(E, dtype=torch.int32)[None].to(a["w1"].device)},
+        ValueError,
+        "expert_map",
+        True,
+    ),
+    (
+        "expert_map_float",
+        lambda a: {"expert_map": torch.arange(E, dtype=torch.float32).to(a["w1"].device)},
+        TypeError,
+        "expert_map",
+        True,
+    ),
     ("global_E_without_map", lambda a: {"global_num_experts": 2 * E}, ValueError, "global_num_experts", True),
     ("global_E_zero", lambda a: {"global_num_experts": 0}, ValueError, "global_num_experts", True),
     ("activation", lambda a: {"activation": "relu"}, ValueError, "activation", True),
-    ("on_input_not_bool", lambda a: {"apply_router_weight_on_input": 1}, TypeError,
-     "apply_router_weight_on_input", True),
+    (
+        "on_input_not_bool",
+        lambda a: {"apply_router_weight_on_input": 1},
+        TypeError,
+        "apply_router_weight_on_input",
+        True,
+    ),
     ("backend", lambda a: {"backend": "cuda"}, ValueError, "backend", True),
     ("checks_level", lambda a: {"checks": "paranoid"}, ValueError, "checks", True),
-    ("w1_scale_without_quant", lambda a: {"w1_scale": torch.ones(E).to(a["w1"].device)}, ValueError, "w1_scale",
-     True),
-    ("a2_scale_without_quant", lambda a: {"a2_scale": torch.ones(1).to(a["w1"].device)}, ValueError, "a2_scale",
-     True),
+    ("w1_scale_without_quant", lambda a: {"w1_scale": torch.ones(E).to(a["w1"].device)}, ValueError, "w1_scale", True),
+    ("a2_scale_without_quant", lambda a: {"a2_scale": torch.ones(1).to(a["w1"].device)}, ValueError, "a2_scale", True),
     # another device: meta plays "the other device"
     ("w1_other_device", lambda a: {"w1": meta(a["w1"])}, ValueError, "w1.*meta", False),
     ("w2_other_device", lambda a: {"w2": meta(a["w2"])}, ValueError, "w2.*meta", False),
     ("topk_ids_other_device", lambda a: {"topk_ids": meta(a["topk_ids"])}, ValueError, "topk_ids.*meta", False),
-    ("topk_weights_other_device", lambda a: {"topk_weights": meta(a["topk_weights"])}, ValueError,
-     "topk_weights.*meta", False),
-    ("expert_map_other_device", lambda a: {"expert_map": torch.arange(E, dtype=torch.int32, device="meta")},
-     ValueError, "expert_map.*meta", False),
+    (
+        "topk_weights_other_device",
+        lambda a: {"topk_weights": meta(a["topk_weights"])},
+        ValueError,
+        "topk_weights.*meta",
+        False,
+    ),
+    (
+        "expert_map_other_device",
+        lambda a: {"expert_map": torch.arange(E, dtype=torch.int32, device="meta")},
+        ValueError,
+        "expert_map.*meta",
+        False,
+    ),
 ]
 
 
@@ -148,9 +198,18 @@ def test_meta_inputs_validate_cleanly():
     from fusedmoe.checks import check_fused_moe_args
 
     a = good_args("meta")
-    p = check_fused_moe_args(*a.values(), activation="silu", apply_router_weight_on_input=False, expert_map=None,
-                             global_num_experts=None, quant=None, w1_scale=None, w2_scale=None, a1_scale=None,
-                             a2_scale=None)
+    p = check_fused_moe_args(
+        *a.values(),
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=None,
+        global_num_experts=None,
+        quant=None,
+        w1_scale=None,
+        w2_scale=None,
+        a1_scale=None,
+        a2_scale=None,
+    )
     assert (p.M, p.H, p.I, p.E, p.top_k) == (M, H, I, E, K)
 
 
@@ -242,7 +301,7 @@ def test_workspace_overlapping_hidden_states():
     hidden = storage[: M * H].view(M, H)
     expect_error(ValueError, "workspace13 overlaps hidden_states", hidden_states=hidden, workspace13=storage)
     # the tail of the same storage (disjoint from hidden) is fine
-    ws13 = storage[M * H:]
+    ws13 = storage[M * H :]
     out = fused_moe(hidden, a["w1"], a["w2"], a["topk_weights"], a["topk_ids"], backend="torch", workspace13=ws13)
     assert relative_error(out, fused_moe_reference(*a.values())) < 1e-5
 
@@ -357,8 +416,14 @@ def test_inconsistent_expert_map_with_full_checks(emap):
     a = good_args()
     mgr = WorkspaceManager("cpu")
     with pytest.raises(ValueError, match="expert_map"):
-        fused_moe(**a, expert_map=torch.tensor(emap, dtype=torch.int32), global_num_experts=8, backend="torch",
-                  workspace=mgr, checks="full")
+        fused_moe(
+            **a,
+            expert_map=torch.tensor(emap, dtype=torch.int32),
+            global_num_experts=8,
+            backend="torch",
+            workspace=mgr,
+            checks="full",
+        )
     assert mgr.stats.calls == 0
 
 
@@ -367,8 +432,9 @@ def test_valid_expert_map_passes_full_checks():
     a = good_args()
     emap = torch.tensor([-1, 3, -1, 0, 2, -1, 1, -1], dtype=torch.int32)
     a["topk_ids"] = torch.tensor([[1, 3], [4, 6], [0, 2]] * 3, dtype=torch.int32)[:M]
-    out = fused_moe(**a, expert_map=emap, global_num_experts=8, backend="torch", workspace=WorkspaceManager("cpu"),
-                    checks="full")
+    out = fused_moe(
+        **a, expert_map=emap, global_num_experts=8, backend="torch", workspace=WorkspaceManager("cpu"), checks="full"
+    )
     ref = fused_moe_reference(*a.values(), expert_map=emap, global_num_experts=8)
     assert relative_error(out, ref) < 1e-5
 

@@ -48,9 +48,7 @@ def layer_stack(mgr, L=48, seed=0):
     """L small FusedMoE layers of a few different shapes (so their plans differ), all on ``mgr``."""
     torch.manual_seed(seed)
     shapes = [(24, 2), (40, 1), (16, 4), (32, 3)]
-    return [
-        FusedMoE(E, shapes[i % 4][1], H, shapes[i % 4][0], workspace=mgr, backend="torch") for i in range(L)
-    ]
+    return [FusedMoE(E, shapes[i % 4][1], H, shapes[i % 4][0], workspace=mgr, backend="torch") for i in range(L)]
 
 
 def run_inputs(M, seed=0):
@@ -76,13 +74,15 @@ def assert_correct(out, args):
 def custom_plan():
     """A plan with int, float and bf16 buffers (all live at once, so none alias), one with a declared zero
     requirement, one zero-sized."""
-    return WorkspacePlan((
-        BufferSpec("ids", (37,), torch.int32, 1, 6),
-        BufferSpec("acc", (5, 7), torch.float32, 3, 6, zero="accumulated into"),
-        BufferSpec("rows", (9, 40), torch.bfloat16, 2, 5, region="2"),
-        BufferSpec("big", (1000,), torch.float32, 0, 7),
-        BufferSpec("none", (0, 3), torch.float32, 1, 1),
-    ))
+    return WorkspacePlan(
+        (
+            BufferSpec("ids", (37,), torch.int32, 1, 6),
+            BufferSpec("acc", (5, 7), torch.float32, 3, 6, zero="accumulated into"),
+            BufferSpec("rows", (9, 40), torch.bfloat16, 2, 5, region="2"),
+            BufferSpec("big", (1000,), torch.float32, 0, 7),
+            BufferSpec("none", (0, 3), torch.float32, 1, 1),
+        )
+    )
 
 
 # ---- reservation over a layer stack --------------------------------------------------------------------------

@@ -133,8 +133,11 @@ def test_offsets_are_aligned_for_odd_sizes():
 
 def test_zero_size_buffers_are_fine():
     """Zero-size buffers get a placement, take no bytes and do not push others around."""
-    specs = [spec("empty", 0, P.ALIGN, P.REDUCE), spec("a", 512, P.ALIGN, P.REDUCE),
-             BufferSpec("empty2", (0, 40), torch.float32, P.GEMM1, P.GEMM1)]
+    specs = [
+        spec("empty", 0, P.ALIGN, P.REDUCE),
+        spec("a", 512, P.ALIGN, P.REDUCE),
+        BufferSpec("empty2", (0, 40), torch.float32, P.GEMM1, P.GEMM1),
+    ]
     placements, total = lay_out(specs)
     assert_valid_layout(specs, placements, total)
     assert total == 512 and placements["a"].offset == 0
@@ -197,8 +200,11 @@ def test_buffers_without_lifetime_cannot_be_laid_out():
 
 def test_describe_mentions_every_buffer():
     """describe() is a human-readable table naming every buffer with its offset and size."""
-    specs = (spec("alpha", 1024, P.ALIGN, P.GEMM1), spec("beta", 256, P.GEMM2, P.REDUCE, zero="accumulates"),
-             BufferSpec("gamma", (3, 5), torch.bfloat16, P.GEMM1, P.GEMM2))
+    specs = (
+        spec("alpha", 1024, P.ALIGN, P.GEMM1),
+        spec("beta", 256, P.GEMM2, P.REDUCE, zero="accumulates"),
+        BufferSpec("gamma", (3, 5), torch.bfloat16, P.GEMM1, P.GEMM2),
+    )
     plan = WorkspacePlan(specs)
     text = plan.describe()
     for s in specs:

@@ -123,8 +123,20 @@ def fused_moe(
     Returns:
         A new tensor [M, H] in hidden_states' dtype (never a view of the workspace).
     """
-    tensors = (hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale, a2_scale,
-               w1_bias, w2_bias)
+    tensors = (
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        w1_scale,
+        w2_scale,
+        a1_scale,
+        a2_scale,
+        w1_bias,
+        w2_bias,
+    )
     level = check_level(checks)
     sig = key = None
     if level == "basic" and workspace13 is None and workspace2 is None:
@@ -140,10 +152,21 @@ def fused_moe(
                 if torch.is_grad_enabled():
                     _forbid_gradients(*tensors)
                 return kernel(ExpertsInputs(*tensors[:6], None, *tensors[6:]), p, manager=manager, layout_key=sig)
-    p = check_fused_moe_args(*tensors[:5], activation=activation,
-                             apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
-                             global_num_experts=global_num_experts, quant=quant, w1_scale=w1_scale, w2_scale=w2_scale,
-                             a1_scale=a1_scale, a2_scale=a2_scale, checks=level, w1_bias=w1_bias, w2_bias=w2_bias)
+    p = check_fused_moe_args(
+        *tensors[:5],
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=global_num_experts,
+        quant=quant,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        checks=level,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+    )
     _forbid_gradients(*tensors)
     kernel, manager = resolve(p, hidden_states.device, backend, workspace)
     if key is not None:
@@ -158,14 +181,28 @@ def fused_moe(
 _VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, WorkspaceManager]] = {}
 
 
-def _forbid_gradients(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale,
-                      a2_scale, w1_bias, w2_bias) -> None:
-    forbid_gradients("fused_moe", hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
-                     w1_bias=w1_bias, w2_bias=w2_bias, w1_scale=w1_scale, w2_scale=w2_scale)
+def _forbid_gradients(
+    hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
+) -> None:
+    forbid_gradients(
+        "fused_moe",
+        hidden_states=hidden_states,
+        w1=w1,
+        w2=w2,
+        topk_weights=topk_weights,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+    )
 
 
-def resolve(p: MoEProblem, device: torch.device, backend: str, workspace: WorkspaceManager | None,
-            ) -> tuple[MoEKernel, WorkspaceManager]:
+def resolve(
+    p: MoEProblem,
+    device: torch.device,
+    backend: str,
+    workspace: WorkspaceManager | None,
+) -> tuple[MoEKernel, WorkspaceManager]:
     """The kernel and the workspace manager that run a validated problem ``p`` on ``device``.
 
     Raises ValueError when the backend cannot run ``p`` or the manager serves another device."""
@@ -189,7 +226,16 @@ def run_problem(
     """Run a validated problem through the chosen backend's kernel (used by fused_moe and FusedMoE).
 
     Raises GradientNotSupportedError when autograd would need a gradient of the result."""
-    forbid_gradients("fused_moe", hidden_states=x.hidden_states, w1=x.w1, w2=x.w2, topk_weights=x.topk_weights,
-                     w1_bias=x.w1_bias, w2_bias=x.w2_bias, w1_scale=x.w1_scale, w2_scale=x.w2_scale)
+    forbid_gradients(
+        "fused_moe",
+        hidden_states=x.hidden_states,
+        w1=x.w1,
+        w2=x.w2,
+        topk_weights=x.topk_weights,
+        w1_bias=x.w1_bias,
+        w2_bias=x.w2_bias,
+        w1_scale=x.w1_scale,
+        w2_scale=x.w2_scale,
+    )
     kernel, manager = resolve(p, x.hidden_states.device, backend, workspace)
     return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)

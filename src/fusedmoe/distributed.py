@@ -38,8 +38,9 @@ class Transport(Protocol):
         Returns (send counts, receive counts) as host lists (receive[r] = rows rank r sends here)."""
         ...
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int],
-                   recv_splits: list[int]) -> None:
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> None:
         """Send ``input`` rows split by ``send_splits`` (to ranks 0..world-1), receive into ``output`` rows
         split by ``recv_splits``. Both contiguous; splits may be zero."""
         ...
@@ -69,12 +70,14 @@ class TorchDistributedTransport:
         send, recv = both.tolist()  # the host sync of this transport
         return send, recv
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int],
-                   recv_splits: list[int]) -> None:
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> None:
         if input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bool):  # not every backend has them
             input, output = input.view(torch.uint8), output.view(torch.uint8)
-        dist.all_to_all_single(output, input, output_split_sizes=recv_splits, input_split_sizes=send_splits,
-                               group=self.group)
+        dist.all_to_all_single(
+            output, input, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=self.group
+        )
 
     def max_int(self, value: int, device: torch.device) -> int:
         t = torch.tensor([int(value)], dtype=torch.int64, device=device)
@@ -91,9 +94,17 @@ class ExpertParallelKernel(MoEKernel):
 
     skip_empty = False
 
-    def __call__(self, x: ExpertsInputs, p: MoEProblem, *, manager: WorkspaceManager, owner: object = None,
-                 workspace13: torch.Tensor | None = None, workspace2: torch.Tensor | None = None,
-                 layout_key=None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: ExpertsInputs,
+        p: MoEProblem,
+        *,
+        manager: WorkspaceManager,
+        owner: object = None,
+        workspace13: torch.Tensor | None = None,
+        workspace2: torch.Tensor | None = None,
+        layout_key=None,
+    ) -> torch.Tensor:
         if workspace13 is not None or workspace2 is not None:
             raise ValueError("expert parallelism takes its scratch from a WorkspaceManager, not caller tensors")
         return super().__call__(x, p, manager=manager, owner=owner, layout_key=layout_key)
@@ -112,8 +123,14 @@ class LayerParallel:
     buffers and plans are reused across nearby batch sizes.
     """
 
-    def __init__(self, num_experts: int, ep_group=None, layout: str = "standard",
-                 max_tokens_per_rank: int | None = None, max_tokens_per_expert: int | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group=None,
+        layout: str = "standard",
+        max_tokens_per_rank: int | None = None,
+        max_tokens_per_expert: int | None = None,
+    ):
         from .problem import Layout
 
         try:
@@ -129,10 +146,10 @@ class LayerParallel:
         self.world = self.transport.world_size if self.transport is not None else 1
         self.rank = self.transport.rank if self.transport is not None else 0
         if num_experts % self.world:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel world size "
-                             f"{self.world}")
-        for name, v in (("max_tokens_per_rank", max_tokens_per_rank),
-                        ("max_tokens_per_expert", max_tokens_per_expert)):
+            raise ValueError(
+                f"num_experts={num_experts} must be divisible by the expert-parallel world size {self.world}"
+            )
+        for name, v in (("max_tokens_per_rank", max_tokens_per_rank), ("max_tokens_per_expert", max_tokens_per_expert)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {v!r}")
         self.num_experts = num_experts
@@ -174,9 +191,16 @@ class LayerParallel:
             else:
                 from .prepare_finalize.all_to_all import AllToAllPrepareFinalize
 
-                k = ExpertParallelKernel(AllToAllPrepareFinalize(
-                    self.transport, self.num_experts, cap, layout=self.layout,
-                    max_tokens_per_expert=self.max_tokens_per_expert), experts)
+                k = ExpertParallelKernel(
+                    AllToAllPrepareFinalize(
+                        self.transport,
+                        self.num_experts,
+                        cap,
+                        layout=self.layout,
+                        max_tokens_per_expert=self.max_tokens_per_expert,
+                    ),
+                    experts,
+                )
             if len(self._kernels) > 64:
                 self._kernels.clear()
             self._kernels[key] = k

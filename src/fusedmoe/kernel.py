@@ -19,9 +19,23 @@ from .workspace.plan import WorkspacePlan
 
 def _roots(x: ExpertsInputs) -> tuple[torch.Tensor | None, ...]:
     """The per-call tensors a recorded trace addresses (the output follows them)."""
-    return (x.hidden_states, x.w1, x.w2, x.topk_weights, x.topk_ids, x.expert_map, x.expert_num_tokens,
-            x.w1_scale, x.w2_scale, x.a1_scale, x.a2_scale, x.w1_bias, x.w2_bias, x.router_logits,
-            x.correction_bias)
+    return (
+        x.hidden_states,
+        x.w1,
+        x.w2,
+        x.topk_weights,
+        x.topk_ids,
+        x.expert_map,
+        x.expert_num_tokens,
+        x.w1_scale,
+        x.w2_scale,
+        x.a1_scale,
+        x.a2_scale,
+        x.w1_bias,
+        x.w2_bias,
+        x.router_logits,
+        x.correction_bias,
+    )
 
 
 def _stream(t: torch.Tensor) -> int:
@@ -29,8 +43,20 @@ def _stream(t: torch.Tensor) -> int:
 
 
 #: Inputs a caller workspace must not overlap.
-_PROTECTED = ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "w1_scale", "w2_scale",
-              "a1_scale", "a2_scale", "w1_bias", "w2_bias")
+_PROTECTED = (
+    "hidden_states",
+    "w1",
+    "w2",
+    "topk_weights",
+    "topk_ids",
+    "expert_map",
+    "w1_scale",
+    "w2_scale",
+    "a1_scale",
+    "a2_scale",
+    "w1_bias",
+    "w2_bias",
+)
 
 
 class MoEKernel:
@@ -78,8 +104,11 @@ class MoEKernel:
         key = (p, launch)
         hit = self._programs.get(key)
         if hit is None:
-            prepare, buffers, exports = pf.prepare_steps(p), [*pf.buffers(p), *ex.buffers(inner, launch)], \
-                tuple(pf.exports(p))
+            prepare, buffers, exports = (
+                pf.prepare_steps(p),
+                [*pf.buffers(p), *ex.buffers(inner, launch)],
+                tuple(pf.exports(p)),
+            )
             if p.routing is not None and p.M > 0:
                 if prepare:
                     raise ValueError(f"{type(pf).__name__} routes outside the kernel: give it topk_weights/topk_ids")
@@ -144,8 +173,14 @@ class MoEKernel:
         if p.M == 0 and self.skip_empty:
             self.workspace(plan, x, manager, owner, workspace13, workspace2)  # validated and counted like any call
             return output
-        if layout_key is not None and launcher.ENABLED and workspace13 is None and workspace2 is None \
-                and manager.replayable and not plan.zero_nbytes:
+        if (
+            layout_key is not None
+            and launcher.ENABLED
+            and workspace13 is None
+            and workspace2 is None
+            and manager.replayable
+            and not plan.zero_nbytes
+        ):
             key = (compiled[0], layout_key)
             trace = self.traces.get(key)
             if trace is not UNSEEN and trace is not None and trace.ready():
@@ -153,8 +188,9 @@ class MoEKernel:
                 return output
             ws = manager.acquire(plan, owner)
             if trace is UNSEEN:
-                self.traces.record(key, lambda: self._run(compiled, x, p, ws, output, False), (*_roots(x), output),
-                                   ws.arena)
+                self.traces.record(
+                    key, lambda: self._run(compiled, x, p, ws, output, False), (*_roots(x), output), ws.arena
+                )
             else:
                 self._run(compiled, x, p, ws, output, False)
             return output
@@ -172,8 +208,7 @@ class MoEKernel:
         component boundaries only inside exported buffers and never sit in a step context's ``state``."""
         self._run(self.program(p), x, p, ws, output, check)
 
-    def _run(self, compiled, x: ExpertsInputs, p: MoEProblem, ws: Workspace, output: torch.Tensor,
-             check: bool) -> None:
+    def _run(self, compiled, x: ExpertsInputs, p: MoEProblem, ws: Workspace, output: torch.Tensor, check: bool) -> None:
         prog, inner, launch = compiled
         views = ws.views
         arena = ws.arena if check else None

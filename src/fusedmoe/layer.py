@@ -120,8 +120,11 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(El, H, I, **factory), requires_grad=False)
         self.gate = nn.Parameter(torch.empty(E, H, **factory), requires_grad=False)
         # Optional biases (gpt-oss): router logits = x @ gate.T + gate_bias; w1_bias [E, 2I], w2_bias [E, H].
-        for name, shape, on in (("gate_bias", (E,), router_bias), ("w1_bias", (E, 2 * I), expert_bias),
-                                ("w2_bias", (E, H), expert_bias)):
+        for name, shape, on in (
+            ("gate_bias", (E,), router_bias),
+            ("w1_bias", (E, 2 * I), expert_bias),
+            ("w2_bias", (E, H), expert_bias),
+        ):
             self.register_parameter(name, nn.Parameter(torch.zeros(shape, **factory), False) if on else None)
         if correction_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32, device=device))
@@ -177,8 +180,9 @@ class FusedMoE(nn.Module):
             activation=self.activation,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
             has_bias=self.w1_bias is not None or self.w2_bias is not None,
-            routing=None if self._parallel is not None else Routing(
-                **self.routing, has_correction_bias=self.e_score_correction_bias is not None),
+            routing=None
+            if self._parallel is not None
+            else Routing(**self.routing, has_correction_bias=self.e_score_correction_bias is not None),
         )
 
     def plan(self, num_tokens: int, dtype: torch.dtype | None = None) -> WorkspacePlan:
@@ -216,12 +220,28 @@ class FusedMoE(nn.Module):
     # (:meth:`_forward_checked`) and reused; the kernel then replays its recorded launches.
     def _key(self, hidden_states, router_logits):
         P, B = self._parameters, self._buffers
-        sig = input_signature(hidden_states, router_logits, P["w1"], P["w2"], P["gate"], P["gate_bias"],
-                              P["w1_bias"], P["w2_bias"], B.get("e_score_correction_bias"), B.get("expert_map"))
+        sig = input_signature(
+            hidden_states,
+            router_logits,
+            P["w1"],
+            P["w2"],
+            P["gate"],
+            P["gate_bias"],
+            P["w1_bias"],
+            P["w2_bias"],
+            B.get("e_score_correction_bias"),
+            B.get("expert_map"),
+        )
         if sig is None:
             return None, None
-        return (sig, self.activation, self.apply_router_weight_on_input, self.backend, self.workspace,
-                *self.routing.values()), sig
+        return (
+            sig,
+            self.activation,
+            self.apply_router_weight_on_input,
+            self.backend,
+            self.workspace,
+            *self.routing.values(),
+        ), sig
 
     def _verdict(self, hidden_states, router_logits):
         key, sig = self._key(hidden_states, router_logits)
@@ -265,14 +285,18 @@ class FusedMoE(nn.Module):
         def router(logits: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             M = logits.shape[0]
             both = torch.empty(2 * M * k, dtype=torch.int32, device=logits.device)  # one allocation, two views
-            ids = both[:M * k].view(M, k)
-            weights = both[M * k:].view(torch.float32).view(M, k)
+            ids = both[: M * k].view(M, k)
+            weights = both[M * k :].view(torch.float32).view(M, k)
             key = input_signature(logits, bias)
             roots = (logits, bias, weights, ids)
             trace = replays.get(key) if launcher.ENABLED else None
             if trace is UNSEEN:
-                replays.record(key, lambda: route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids,
-                                                        **R), roots, None)
+                replays.record(
+                    key,
+                    lambda: route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids, **R),
+                    roots,
+                    None,
+                )
             elif trace is None or not trace.ready():
                 route_fused(logits, k, correction_bias=bias, weights=weights, ids=ids, **R)
             else:
@@ -282,9 +306,17 @@ class FusedMoE(nn.Module):
         return router
 
     def _forbid_gradients(self, x, router_logits) -> None:
-        forbid_gradients("FusedMoE", hidden_states=x, router_logits=router_logits, w1=self.w1, w2=self.w2,
-                         gate=self.gate if router_logits is None else None, gate_bias=self.gate_bias,
-                         w1_bias=self.w1_bias, w2_bias=self.w2_bias)
+        forbid_gradients(
+            "FusedMoE",
+            hidden_states=x,
+            router_logits=router_logits,
+            w1=self.w1,
+            w2=self.w2,
+            gate=self.gate if router_logits is None else None,
+            gate_bias=self.gate_bias,
+            w1_bias=self.w1_bias,
+            w2_bias=self.w2_bias,
+        )
 
     def _forward_checked(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(hidden_states, torch.Tensor):
@@ -319,10 +351,20 @@ class FusedMoE(nn.Module):
             from .op import fused_moe_op
 
             topk_weights, topk_ids = self.route(x, router_logits)
-            out = fused_moe_op(x, self.w1, self.w2, topk_weights, topk_ids, activation=self.activation,
-                               apply_router_weight_on_input=self.apply_router_weight_on_input,
-                               workspace=self.workspace, backend=self.backend, w1_bias=self.w1_bias,
-                               w2_bias=self.w2_bias, owner=self.owner_key)
+            out = fused_moe_op(
+                x,
+                self.w1,
+                self.w2,
+                topk_weights,
+                topk_ids,
+                activation=self.activation,
+                apply_router_weight_on_input=self.apply_router_weight_on_input,
+                workspace=self.workspace,
+                backend=self.backend,
+                w1_bias=self.w1_bias,
+                w2_bias=self.w2_bias,
+                owner=self.owner_key,
+            )
         else:
             p = self.problem(x.shape[0], x.dtype)
             kernel, manager = self._resolve(p, x.device)
@@ -350,13 +392,27 @@ class FusedMoE(nn.Module):
             return resolve(p, device, self.backend, self.workspace)
         return self._parallel.kernel_for(self, p, device), self.manager
 
-    def _inputs(self, x: torch.Tensor, topk_weights: torch.Tensor | None = None,
-                topk_ids: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> ExpertsInputs:
+    def _inputs(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor | None = None,
+        topk_ids: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> ExpertsInputs:
         """The kernel's inputs: routed (``topk_*``) or, for a problem with ``routing``, the router logits."""
         P, B = self._parameters, self._buffers
-        return ExpertsInputs(x, P["w1"], P["w2"], topk_weights, topk_ids, expert_map=B.get("expert_map"),
-                             w1_bias=P["w1_bias"], w2_bias=P["w2_bias"], router_logits=logits,
-                             correction_bias=B.get("e_score_correction_bias") if logits is not None else None)
+        return ExpertsInputs(
+            x,
+            P["w1"],
+            P["w2"],
+            topk_weights,
+            topk_ids,
+            expert_map=B.get("expert_map"),
+            w1_bias=P["w1_bias"],
+            w2_bias=P["w2_bias"],
+            router_logits=logits,
+            correction_bias=B.get("e_score_correction_bias") if logits is not None else None,
+        )
 
     @classmethod
     def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:
@@ -383,8 +439,8 @@ class FusedMoE(nn.Module):
             if tuple(full.shape) != (E, *shape):
                 raise ValueError(f"{name} must have shape {[E, *shape]}, got {list(full.shape)}")
         with torch.no_grad():
-            self.w1.copy_(w1[lo:lo + El])
-            self.w2.copy_(w2[lo:lo + El])
+            self.w1.copy_(w1[lo : lo + El])
+            self.w2.copy_(w2[lo : lo + El])
             if gate is not None:
                 if tuple(gate.shape) != tuple(self.gate.shape):
                     raise ValueError(f"gate must have shape {list(self.gate.shape)}, got {list(gate.shape)}")

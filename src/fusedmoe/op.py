@@ -27,11 +27,9 @@ from torch import Tensor
 
 from .workspace.manager import MANAGERS, WorkspaceManager
 
-__all__ = ["OP_NAME", "fused_moe_op", "lookup_workspace", "moe_align_op", "moe_reduce_op", "route_op",
-           "workspace_id"]
+__all__ = ["OP_NAME", "fused_moe_op", "lookup_workspace", "moe_align_op", "moe_reduce_op", "route_op", "workspace_id"]
 
 OP_NAME = "fusedmoe::fused_moe"
-
 
 
 def workspace_id(manager: WorkspaceManager | None) -> int:
@@ -55,8 +53,25 @@ def lookup_workspace(i: int) -> WorkspaceManager | None:
 
 
 def _run(
-    hidden_states, w1, w2, topk_weights, topk_ids, w1_bias, w2_bias, activation, apply_router_weight_on_input,
-    global_num_experts, expert_map, quant, w1_scale, w2_scale, a1_scale, a2_scale, backend, workspace, owner,
+    hidden_states,
+    w1,
+    w2,
+    topk_weights,
+    topk_ids,
+    w1_bias,
+    w2_bias,
+    activation,
+    apply_router_weight_on_input,
+    global_num_experts,
+    expert_map,
+    quant,
+    w1_scale,
+    w2_scale,
+    a1_scale,
+    a2_scale,
+    backend,
+    workspace,
+    owner,
     checks,
 ) -> Tensor:
     from .api import run_problem
@@ -64,14 +79,38 @@ def _run(
     from .experts.base import ExpertsInputs
 
     p = check_fused_moe_args(
-        hidden_states, w1, w2, topk_weights, topk_ids,
-        activation=activation, apply_router_weight_on_input=apply_router_weight_on_input, expert_map=expert_map,
-        global_num_experts=None if global_num_experts < 0 else global_num_experts, quant=quant,
-        w1_scale=w1_scale, w2_scale=w2_scale, a1_scale=a1_scale, a2_scale=a2_scale, checks=checks,
-        w1_bias=w1_bias, w2_bias=w2_bias,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=None if global_num_experts < 0 else global_num_experts,
+        quant=quant,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        checks=checks,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
     )
-    x = ExpertsInputs(hidden_states, w1, w2, topk_weights, topk_ids, expert_map=expert_map, w1_scale=w1_scale,
-                      w2_scale=w2_scale, a1_scale=a1_scale, a2_scale=a2_scale, w1_bias=w1_bias, w2_bias=w2_bias)
+    x = ExpertsInputs(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+    )
     return run_problem(x, p, backend=backend, workspace=workspace, owner=owner or None)
 
 
@@ -98,17 +137,50 @@ def _fused_moe_impl(
     owner: str = "",
 ) -> Tensor:
     return _run(
-        hidden_states, w1, w2, topk_weights, topk_ids, w1_bias, w2_bias, activation, apply_router_weight_on_input,
-        global_num_experts, expert_map, quant, w1_scale, w2_scale, a1_scale, a2_scale, backend,
-        lookup_workspace(workspace_id), owner, None,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        w1_bias,
+        w2_bias,
+        activation,
+        apply_router_weight_on_input,
+        global_num_experts,
+        expert_map,
+        quant,
+        w1_scale,
+        w2_scale,
+        a1_scale,
+        a2_scale,
+        backend,
+        lookup_workspace(workspace_id),
+        owner,
+        None,
     )
 
 
 @_fused_moe_impl.register_fake
 def _fused_moe_fake(
-    hidden_states, w1, w2, topk_weights, topk_ids, w1_bias=None, w2_bias=None, activation="silu",
-    apply_router_weight_on_input=False, global_num_experts=-1, expert_map=None, quant=None, w1_scale=None,
-    w2_scale=None, a1_scale=None, a2_scale=None, backend="auto", workspace_id=-1, owner="",
+    hidden_states,
+    w1,
+    w2,
+    topk_weights,
+    topk_ids,
+    w1_bias=None,
+    w2_bias=None,
+    activation="silu",
+    apply_router_weight_on_input=False,
+    global_num_experts=-1,
+    expert_map=None,
+    quant=None,
+    w1_scale=None,
+    w2_scale=None,
+    a1_scale=None,
+    a2_scale=None,
+    backend="auto",
+    workspace_id=-1,
+    owner="",
 ):
     # Output metadata only: a fresh [M, H] tensor in hidden_states' dtype (it never aliases an input).
     torch._check(hidden_states.dim() == 2, lambda: "hidden_states must be 2-D [M, H]")
@@ -145,16 +217,39 @@ def fused_moe_op(
     """
     from .checks import forbid_gradients
 
-    forbid_gradients("fused_moe_op", hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
-                     w1_bias=w1_bias, w2_bias=w2_bias)
+    forbid_gradients(
+        "fused_moe_op",
+        hidden_states=hidden_states,
+        w1=w1,
+        w2=w2,
+        topk_weights=topk_weights,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+    )
     if quant is not None and not isinstance(quant, str):
         if tuple(quant.block_shape) != (128, 128) and quant.mode == "fp8_block":
             raise ValueError("fused_moe_op supports fp8_block with the default 128x128 block shape only")
         quant = quant.name
     return torch.ops.fusedmoe.fused_moe(
-        hidden_states, w1, w2, topk_weights, topk_ids, w1_bias, w2_bias, activation, apply_router_weight_on_input,
-        -1 if global_num_experts is None else int(global_num_experts), expert_map, quant, w1_scale, w2_scale,
-        a1_scale, a2_scale, backend, workspace_id(workspace), owner or "",
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        w1_bias,
+        w2_bias,
+        activation,
+        apply_router_weight_on_input,
+        -1 if global_num_experts is None else int(global_num_experts),
+        expert_map,
+        quant,
+        w1_scale,
+        w2_scale,
+        a1_scale,
+        a2_scale,
+        backend,
+        workspace_id(workspace),
+        owner or "",
     )
 
 
@@ -178,33 +273,71 @@ def _route_impl(
 ) -> tuple[Tensor, Tensor]:
     from .routing import route
 
-    return route(router_logits, top_k, scoring=scoring, renormalize=renormalize,
-                 num_expert_groups=None if num_expert_groups < 0 else num_expert_groups,
-                 topk_groups=None if topk_groups < 0 else topk_groups, correction_bias=correction_bias,
-                 routed_scaling_factor=routed_scaling_factor)
+    return route(
+        router_logits,
+        top_k,
+        scoring=scoring,
+        renormalize=renormalize,
+        num_expert_groups=None if num_expert_groups < 0 else num_expert_groups,
+        topk_groups=None if topk_groups < 0 else topk_groups,
+        correction_bias=correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+    )
 
 
 @_route_impl.register_fake
-def _route_fake(router_logits, top_k, scoring="softmax", renormalize=True, num_expert_groups=-1, topk_groups=-1,
-                correction_bias=None, routed_scaling_factor=1.0):
+def _route_fake(
+    router_logits,
+    top_k,
+    scoring="softmax",
+    renormalize=True,
+    num_expert_groups=-1,
+    topk_groups=-1,
+    correction_bias=None,
+    routed_scaling_factor=1.0,
+):
     M = router_logits.shape[0]
-    return (router_logits.new_empty((M, top_k), dtype=torch.float32),
-            router_logits.new_empty((M, top_k), dtype=torch.int32))
+    return (
+        router_logits.new_empty((M, top_k), dtype=torch.float32),
+        router_logits.new_empty((M, top_k), dtype=torch.int32),
+    )
 
 
-def route_op(router_logits: Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
-             num_expert_groups: int | None = None, topk_groups: int | None = None,
-             correction_bias: Tensor | None = None, routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+def route_op(
+    router_logits: Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    num_expert_groups: int | None = None,
+    topk_groups: int | None = None,
+    correction_bias: Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
     """:func:`fusedmoe.route` as the registered op ``torch.ops.fusedmoe.route``: same arguments and results
     (float32 ``[M, k]`` weights, int32 ``[M, k]`` ids)."""
     from .routing import _validate
 
-    _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
-              routed_scaling_factor)
-    return torch.ops.fusedmoe.route(router_logits, top_k, scoring, renormalize,
-                                    -1 if num_expert_groups is None else num_expert_groups,
-                                    -1 if topk_groups is None else topk_groups, correction_bias,
-                                    float(routed_scaling_factor))
+    _validate(
+        router_logits,
+        top_k,
+        scoring,
+        renormalize,
+        num_expert_groups,
+        topk_groups,
+        correction_bias,
+        routed_scaling_factor,
+    )
+    return torch.ops.fusedmoe.route(
+        router_logits,
+        top_k,
+        scoring,
+        renormalize,
+        -1 if num_expert_groups is None else num_expert_groups,
+        -1 if topk_groups is None else topk_groups,
+        correction_bias,
+        float(routed_scaling_factor),
+    )
 
 
 def _align_sizes(n_slots, num_experts: int, block_m: int):
@@ -213,8 +346,9 @@ def _align_sizes(n_slots, num_experts: int, block_m: int):
 
 
 @torch.library.custom_op("fusedmoe::moe_align", mutates_args=())
-def _align_impl(topk_ids: Tensor, num_experts: int, block_m: int, expert_map: Tensor | None = None,
-                global_num_experts: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+def _align_impl(
+    topk_ids: Tensor, num_experts: int, block_m: int, expert_map: Tensor | None = None, global_num_experts: int = -1
+) -> tuple[Tensor, Tensor, Tensor]:
     from .ops.align import align_reference
 
     gE = None if global_num_experts < 0 else global_num_experts
@@ -226,8 +360,9 @@ def _align_impl(topk_ids: Tensor, num_experts: int, block_m: int, expert_map: Te
     if _triton_runs_on(topk_ids):
         from .ops.align import moe_align
 
-        return moe_align(topk_ids, num_experts, block_m, expert_map=expert_map, global_num_experts=gE,
-                         sorted_ids=sorted_ids)
+        return moe_align(
+            topk_ids, num_experts, block_m, expert_map=expert_map, global_num_experts=gE, sorted_ids=sorted_ids
+        )
     s, b, npad = align_reference(topk_ids, num_experts, block_m, expert_map=expert_map, global_num_experts=gE)
     s = torch.where(s == -2, n, s)
     return s.to(topk_ids.device), b.to(topk_ids.device), npad.to(topk_ids.device)
@@ -237,12 +372,21 @@ def _align_impl(topk_ids: Tensor, num_experts: int, block_m: int, expert_map: Te
 def _align_fake(topk_ids, num_experts, block_m, expert_map=None, global_num_experts=-1):
     max_padded, max_blocks = _align_sizes(topk_ids.numel(), num_experts, block_m)
     i32 = torch.int32
-    return (topk_ids.new_empty((max_padded,), dtype=i32), topk_ids.new_empty((max_blocks,), dtype=i32),
-            topk_ids.new_empty((1,), dtype=i32))
+    return (
+        topk_ids.new_empty((max_padded,), dtype=i32),
+        topk_ids.new_empty((max_blocks,), dtype=i32),
+        topk_ids.new_empty((1,), dtype=i32),
+    )
 
 
-def moe_align_op(topk_ids: Tensor, num_experts: int, block_m: int, *, expert_map: Tensor | None = None,
-                 global_num_experts: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def moe_align_op(
+    topk_ids: Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    expert_map: Tensor | None = None,
+    global_num_experts: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Alignment as the registered op ``torch.ops.fusedmoe.moe_align``: ``(sorted_ids int32 [M*k + E*(block_m-1)],
     block_expert int32 [cdiv(that, block_m)], num_padded int32 [1])`` as :func:`fusedmoe.ops.align.moe_align`
     documents, except that entries of ``sorted_ids`` past ``num_padded`` hold the sentinel ``M*k`` too."""
@@ -252,13 +396,20 @@ def moe_align_op(topk_ids: Tensor, num_experts: int, block_m: int, *, expert_map
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    return torch.ops.fusedmoe.moe_align(topk_ids, num_experts, block_m, expert_map,
-                                        -1 if global_num_experts is None else global_num_experts)
+    return torch.ops.fusedmoe.moe_align(
+        topk_ids, num_experts, block_m, expert_map, -1 if global_num_experts is None else global_num_experts
+    )
 
 
 @torch.library.custom_op("fusedmoe::moe_reduce", mutates_args=())
-def _reduce_impl(y: Tensor, topk_ids: Tensor, num_experts: int, out_dtype: torch.dtype,
-                 expert_map: Tensor | None = None, global_num_experts: int = -1) -> Tensor:
+def _reduce_impl(
+    y: Tensor,
+    topk_ids: Tensor,
+    num_experts: int,
+    out_dtype: torch.dtype,
+    expert_map: Tensor | None = None,
+    global_num_experts: int = -1,
+) -> Tensor:
     M, k = topk_ids.shape
     gE = None if global_num_experts < 0 else global_num_experts
     out = torch.empty((M, y.shape[1]), dtype=out_dtype, device=y.device)
@@ -278,12 +429,25 @@ def _reduce_fake(y, topk_ids, num_experts, out_dtype, expert_map=None, global_nu
     return y.new_empty((topk_ids.shape[0], y.shape[1]), dtype=out_dtype)
 
 
-def moe_reduce_op(y: Tensor, topk_ids: Tensor, num_experts: int, *, out_dtype: torch.dtype | None = None,
-                  expert_map: Tensor | None = None, global_num_experts: int | None = None) -> Tensor:
+def moe_reduce_op(
+    y: Tensor,
+    topk_ids: Tensor,
+    num_experts: int,
+    *,
+    out_dtype: torch.dtype | None = None,
+    expert_map: Tensor | None = None,
+    global_num_experts: int | None = None,
+) -> Tensor:
     """The top-k reduce as the registered op ``torch.ops.fusedmoe.moe_reduce``: ``out[t] = sum_j y[t*k + j]``
     over the local slots of token t (float32 accumulation), a new ``[M, H]`` tensor in ``out_dtype``
     (default ``y``'s); rows of non-local slots are never read."""
     if y.dim() != 2 or topk_ids.dim() != 2 or y.shape[0] != topk_ids.numel():
         raise ValueError(f"y must be [M*k, H] for topk_ids [M, k], got {list(y.shape)} and {list(topk_ids.shape)}")
-    return torch.ops.fusedmoe.moe_reduce(y, topk_ids, num_experts, out_dtype or y.dtype, expert_map,
-                                         -1 if global_num_experts is None else global_num_experts)
+    return torch.ops.fusedmoe.moe_reduce(
+        y,
+        topk_ids,
+        num_experts,
+        out_dtype or y.dtype,
+        expert_map,
+        -1 if global_num_experts is None else global_num_experts,
+    )

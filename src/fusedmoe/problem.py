@@ -58,9 +58,13 @@ class Routing:
 
     def kwargs(self) -> dict:
         """The keywords of :func:`fusedmoe.routing.route` (all but the correction bias)."""
-        return {"scoring": self.scoring, "renormalize": self.renormalize,
-                "num_expert_groups": self.num_expert_groups, "topk_groups": self.topk_groups,
-                "routed_scaling_factor": self.routed_scaling_factor}
+        return {
+            "scoring": self.scoring,
+            "renormalize": self.renormalize,
+            "num_expert_groups": self.num_expert_groups,
+            "topk_groups": self.topk_groups,
+            "routed_scaling_factor": self.routed_scaling_factor,
+        }
 
 
 @dataclass(frozen=True)

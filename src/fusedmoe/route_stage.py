@@ -31,8 +31,10 @@ def fused_routing_applies(E: int, top_k: int, num_expert_groups: int | None, top
 
 
 def route_buffers(p: MoEProblem) -> list[BufferSpec]:
-    return [BufferSpec("topk_weights", (p.M, p.top_k), torch.float32),
-            BufferSpec("topk_ids", (p.M, p.top_k), torch.int32)]
+    return [
+        BufferSpec("topk_weights", (p.M, p.top_k), torch.float32),
+        BufferSpec("topk_ids", (p.M, p.top_k), torch.int32),
+    ]
 
 
 @step

@@ -67,8 +67,9 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
-              routed_scaling_factor) -> None:
+def _validate(
+    router_logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias, routed_scaling_factor
+) -> None:
     # Shape / dtype / attribute checks only: nothing here reads tensor values (no device-to-host sync).
     if not isinstance(router_logits, Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
@@ -95,9 +96,7 @@ def _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, top
         if scoring == "softmax_topk":
             raise ValueError("num_expert_groups/topk_groups are not supported with scoring='softmax_topk'")
         if not _is_int(num_expert_groups) or num_expert_groups < 1 or E % num_expert_groups != 0:
-            raise ValueError(
-                f"num_expert_groups must be a positive int dividing E = {E}, got {num_expert_groups!r}"
-            )
+            raise ValueError(f"num_expert_groups must be a positive int dividing E = {E}, got {num_expert_groups!r}")
         if not _is_int(topk_groups) or not 1 <= topk_groups <= num_expert_groups:
             raise ValueError(
                 "topk_groups must be an int with 1 <= topk_groups <= num_expert_groups = "
@@ -115,14 +114,11 @@ def _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, top
             raise ValueError(f"correction_bias must have shape ({E},), got {tuple(correction_bias.shape)}")
         if correction_bias.device != router_logits.device:
             raise ValueError(
-                f"correction_bias is on {correction_bias.device} but router_logits is on "
-                f"{router_logits.device}"
+                f"correction_bias is on {correction_bias.device} but router_logits is on {router_logits.device}"
             )
 
     if not isinstance(routed_scaling_factor, numbers.Real) or isinstance(routed_scaling_factor, bool):
-        raise TypeError(
-            f"routed_scaling_factor must be a real number, got {type(routed_scaling_factor).__name__}"
-        )
+        raise TypeError(f"routed_scaling_factor must be a real number, got {type(routed_scaling_factor).__name__}")
     if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
         raise ValueError(f"routed_scaling_factor must be positive and finite, got {routed_scaling_factor!r}")
 
@@ -206,16 +202,31 @@ def route(
         TypeError / ValueError naming the offending argument; only shapes, dtypes and devices are checked,
         so validation never synchronizes with the device.
     """
-    _validate(router_logits, top_k, scoring, renormalize, num_expert_groups, topk_groups, correction_bias,
-              routed_scaling_factor)
+    _validate(
+        router_logits,
+        top_k,
+        scoring,
+        renormalize,
+        num_expert_groups,
+        topk_groups,
+        correction_bias,
+        routed_scaling_factor,
+    )
     E = router_logits.shape[1]
     fills_from_dropped = num_expert_groups is not None and top_k > topk_groups * (E // num_expert_groups)
     if router_logits.is_cuda and not fills_from_dropped and _fused_kernel_supports(E, top_k, num_expert_groups):
         from .ops.routing import route_fused
 
-        return route_fused(router_logits, top_k, scoring=scoring, renormalize=renormalize,
-                           num_expert_groups=num_expert_groups, topk_groups=topk_groups,
-                           correction_bias=correction_bias, routed_scaling_factor=routed_scaling_factor)
+        return route_fused(
+            router_logits,
+            top_k,
+            scoring=scoring,
+            renormalize=renormalize,
+            num_expert_groups=num_expert_groups,
+            topk_groups=topk_groups,
+            correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
+        )
     logits = torch.nan_to_num(router_logits.float(), nan=_NEG_INF, posinf=_FLOAT_MAX, neginf=_NEG_INF)
     M = logits.shape[0]
     dead = logits.amax(dim=-1, keepdim=True) == _NEG_INF  # rows with nothing to choose (see module docs)

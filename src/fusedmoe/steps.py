@@ -100,8 +100,14 @@ class Program:
 
     __slots__ = ("steps", "plan", "segments", "exports", "_calls")
 
-    def __init__(self, prepare: Sequence[Step], experts: Sequence[Step], finalize: Sequence[Step],
-                 buffers: Sequence[BufferSpec], exports: Collection[str] = ()):
+    def __init__(
+        self,
+        prepare: Sequence[Step],
+        experts: Sequence[Step],
+        finalize: Sequence[Step],
+        buffers: Sequence[BufferSpec],
+        exports: Collection[str] = (),
+    ):
         self.steps = (*prepare, *experts, *finalize)
         a, b = len(prepare), len(prepare) + len(experts)
         self.segments = (range(0, a), range(a, b), range(b, len(self.steps)))
@@ -130,8 +136,9 @@ class Program:
             specs.append(spec.live(min(at), max(at)))
         self.plan = WorkspacePlan(tuple(specs), tuple(s.name for s in self.steps))
         # per segment: (step, its function, the buffer names it takes), prebuilt for the hot path
-        self._calls = tuple(tuple((self.steps[i], self.steps[i].fn, self.steps[i].needs) for i in seg)
-                            for seg in self.segments)
+        self._calls = tuple(
+            tuple((self.steps[i], self.steps[i].fn, self.steps[i].needs) for i in seg) for seg in self.segments
+        )
 
     def run(self, segment: int, c: Call, views: dict[str, torch.Tensor], arena: torch.Tensor | None = None) -> None:
         """Run one segment's steps (0 prepare, 1 experts, 2 finalize) with ``views`` of this program's plan.
@@ -144,11 +151,14 @@ class Program:
             if arena is not None:
                 for key, value in c.state.items():
                     if isinstance(value, torch.Tensor) and _inside(value, arena):
-                        raise PlanError(f"step {s.name!r} left an arena view in state[{key!r}]: "
-                                        "pass views between steps as named buffers")
+                        raise PlanError(
+                            f"step {s.name!r} left an arena view in state[{key!r}]: "
+                            "pass views between steps as named buffers"
+                        )
 
-    def check_exported(self, tensors: dict[str, torch.Tensor | None], views: dict[str, torch.Tensor],
-                       arena: torch.Tensor) -> None:
+    def check_exported(
+        self, tensors: dict[str, torch.Tensor | None], views: dict[str, torch.Tensor], arena: torch.Tensor
+    ) -> None:
         """Every tensor of ``tensors`` that lies in ``arena`` lies inside one exported buffer's view."""
         spans = [_span(views[n]) for n in self.exports if views[n].numel()]
         for what, t in tensors.items():
@@ -156,8 +166,10 @@ class Program:
                 continue
             lo, hi = _span(t)
             if not any(s0 <= lo and hi <= s1 for s0, s1 in spans):
-                raise PlanError(f"{what} crosses the prepare/experts/finalize boundary inside the arena but is "
-                                "not in an exported buffer: add its buffer to exports")
+                raise PlanError(
+                    f"{what} crosses the prepare/experts/finalize boundary inside the arena but is "
+                    "not in an exported buffer: add its buffer to exports"
+                )
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -60,16 +60,34 @@ def _quantize_input(c, bx_a1q, bx_a1_scale=None, bx_a1_partial=None):
     if x.hidden_states.dtype == FP8_DTYPE:  # quantized by prepare
         return
     E, T = p.E, p.max_tokens_per_expert
-    batched_quantize(x.hidden_states.reshape(E * T, p.H), _counts(c), T, L.quant_mode, out=bx_a1q,
-                     scale_out=bx_a1_scale, static_scale=x.a1_scale if L.static_scale else None,
-                     partial=bx_a1_partial, group_k=L.block_shape[1])
+    batched_quantize(
+        x.hidden_states.reshape(E * T, p.H),
+        _counts(c),
+        T,
+        L.quant_mode,
+        out=bx_a1q,
+        scale_out=bx_a1_scale,
+        static_scale=x.a1_scale if L.static_scale else None,
+        partial=bx_a1_partial,
+        group_k=L.block_shape[1],
+    )
 
 
 def _gemm1_call(c, a, a_scale, bx_act) -> None:
     x, p, L = c.x, c.p, c.launch
-    batched_gemm1(a, x.w1, bx_act.view(p.E, p.max_tokens_per_expert, p.I), _counts(c), config=L.config.gemm1,
-                  activation=p.activation, quant_mode=L.quant_mode, a_scale=a_scale,
-                  w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E), block_shape=L.block_shape, fp32_ieee=L.ieee)
+    batched_gemm1(
+        a,
+        x.w1,
+        bx_act.view(p.E, p.max_tokens_per_expert, p.I),
+        _counts(c),
+        config=L.config.gemm1,
+        activation=p.activation,
+        quant_mode=L.quant_mode,
+        a_scale=a_scale,
+        w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E),
+        block_shape=L.block_shape,
+        fp32_ieee=L.ieee,
+    )
 
 
 @step
@@ -93,16 +111,33 @@ def _gemm1_fp8(c, bx_a1q, bx_act, bx_a1_scale=None):
 @step
 def _quantize_act(c, bx_act, bx_a2q, bx_a2_scale=None, bx_a2_partial=None):
     x, p, L = c.x, c.p, c.launch
-    batched_quantize(bx_act, _counts(c), p.max_tokens_per_expert, L.quant_mode, out=bx_a2q, scale_out=bx_a2_scale,
-                     static_scale=x.a2_scale if L.static_scale else None, partial=bx_a2_partial,
-                     group_k=L.block_shape[1])
+    batched_quantize(
+        bx_act,
+        _counts(c),
+        p.max_tokens_per_expert,
+        L.quant_mode,
+        out=bx_a2q,
+        scale_out=bx_a2_scale,
+        static_scale=x.a2_scale if L.static_scale else None,
+        partial=bx_a2_partial,
+        group_k=L.block_shape[1],
+    )
 
 
 def _gemm2_call(c, a, a_scale) -> None:
     x, p, L = c.x, c.p, c.launch
-    batched_gemm2(a.view(p.E, p.max_tokens_per_expert, p.I), x.w2, c.out, _counts(c), config=L.config.gemm2,
-                  quant_mode=L.quant_mode, a_scale=a_scale, w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
-                  block_shape=L.block_shape, fp32_ieee=L.ieee)
+    batched_gemm2(
+        a.view(p.E, p.max_tokens_per_expert, p.I),
+        x.w2,
+        c.out,
+        _counts(c),
+        config=L.config.gemm2,
+        quant_mode=L.quant_mode,
+        a_scale=a_scale,
+        w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
+        block_shape=L.block_shape,
+        fp32_ieee=L.ieee,
+    )
 
 
 @step
@@ -146,9 +181,13 @@ class BatchedTritonExperts(Experts):
             q = p.quant
             # A batched problem of T rows per expert behaves like a standard one of E*T/top_k tokens.
             m_lookup = max(1, p.E * p.max_tokens_per_expert // max(p.top_k, 1))
-            hit = BatchedLaunch(fitted_config(p, m_lookup), q.mode if q is not None else None,
-                                bool(q is not None and q.static_activation_scale),
-                                tuple(q.block_shape) if q is not None else (128, 128), ieee)
+            hit = BatchedLaunch(
+                fitted_config(p, m_lookup),
+                q.mode if q is not None else None,
+                bool(q is not None and q.static_activation_scale),
+                tuple(q.block_shape) if q is not None else (128, 128),
+                ieee,
+            )
             if len(self._launches) > 4096:
                 self._launches.clear()
             self._launches[key] = hit

@@ -78,8 +78,9 @@ def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.T
     return out.mul_(up)
 
 
-def _linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            stage: torch.Tensor | None) -> None:
+def _linear(
+    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, stage: torch.Tensor | None
+) -> None:
     """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype).
 
     A float32 ``w`` is used as it is; otherwise its rows are converted ``W_CHUNK`` at a time into ``stage``.

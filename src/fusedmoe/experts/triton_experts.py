@@ -88,8 +88,9 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     mode = q.mode if q is not None else None
     shape = q.block_shape if (q is not None and mode == "fp8_block") else None
     on_gpu = torch.cuda.is_available()
-    cfg = get_config(m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape,
-                     device=device_name() if on_gpu else "cpu")
+    cfg = get_config(
+        m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape, device=device_name() if on_gpu else "cpu"
+    )
     if q is not None and on_gpu and not _interpreting():  # an fp8 dot tile is at least 32 deep on the GPU
         cfg = MoEConfig(*(replace(g, block_k=max(g.block_k, MIN_FP8_BLOCK_K)) for g in (cfg.gemm1, cfg.gemm2)))
     limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
@@ -107,8 +108,8 @@ def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False, use_dec
         quant_mode=q.mode if q is not None else None,
         static_scale=bool(q is not None and q.static_activation_scale),
         block_shape=tuple(q.block_shape) if q is not None else (128, 128),
-        decode=use_decode and decode.decode_supported(p.slots, q.mode if q is not None else None, p.activation,
-                                                      p.has_bias),
+        decode=use_decode
+        and decode.decode_supported(p.slots, q.mode if q is not None else None, p.activation, p.has_bias),
         ieee=ieee and p.dtype == torch.float32,
     )
 
@@ -135,15 +136,34 @@ def _ids(c) -> torch.Tensor:
 @step
 def _decode(c, act):
     x, p = c.x, c.p
-    decode.moe_decode(x.hidden_states, x.w1, x.w2, x.topk_weights.contiguous(), _ids(c), c.out, act,
-                      expert_map=x.expert_map, global_num_experts=p.global_E, activation=p.activation,
-                      apply_router_weight_on_input=p.apply_router_weight_on_input)
+    decode.moe_decode(
+        x.hidden_states,
+        x.w1,
+        x.w2,
+        x.topk_weights.contiguous(),
+        _ids(c),
+        c.out,
+        act,
+        expert_map=x.expert_map,
+        global_num_experts=p.global_E,
+        activation=p.activation,
+        apply_router_weight_on_input=p.apply_router_weight_on_input,
+    )
 
 
 @step
 def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
-    moe_align(_ids(c), c.p.E, c.launch.config.block_m, expert_map=c.x.expert_map, global_num_experts=c.p.global_E,
-              sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded, partial=align_partial)
+    moe_align(
+        _ids(c),
+        c.p.E,
+        c.launch.config.block_m,
+        expert_map=c.x.expert_map,
+        global_num_experts=c.p.global_E,
+        sorted_ids=sorted_ids,
+        block_expert=block_expert,
+        num_padded=num_padded,
+        partial=align_partial,
+    )
 
 
 @step
@@ -153,18 +173,37 @@ def _quantize_input(c, a1q, a1_scale=None, a1_partial=None):
         raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
     if x.hidden_states.dtype == FP8_DTYPE:  # already quantized by prepare
         return
-    quantize_activation(x.hidden_states, L.quant_mode, out=a1q, scale_out=a1_scale,
-                        static_scale=x.a1_scale if L.static_scale else None, partial=a1_partial,
-                        group_k=L.group_k)
+    quantize_activation(
+        x.hidden_states,
+        L.quant_mode,
+        out=a1q,
+        scale_out=a1_scale,
+        static_scale=x.a1_scale if L.static_scale else None,
+        partial=a1_partial,
+        group_k=L.group_k,
+    )
 
 
 def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale) -> None:
     x, p, L = c.x, c.p, c.launch
-    moe_gemm1(a, x.w1, act, sorted_ids, block_expert, top_k=p.top_k, num_blocks=L.num_blocks,
-              config=L.config.gemm1, activation=p.activation,
-              topk_weights=x.topk_weights if p.apply_router_weight_on_input else None,
-              quant_mode=L.quant_mode, a_scale=a_scale, w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E),
-              block_shape=L.block_shape, fp32_ieee=L.ieee, bias=x.w1_bias)
+    moe_gemm1(
+        a,
+        x.w1,
+        act,
+        sorted_ids,
+        block_expert,
+        top_k=p.top_k,
+        num_blocks=L.num_blocks,
+        config=L.config.gemm1,
+        activation=p.activation,
+        topk_weights=x.topk_weights if p.apply_router_weight_on_input else None,
+        quant_mode=L.quant_mode,
+        a_scale=a_scale,
+        w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E),
+        block_shape=L.block_shape,
+        fp32_ieee=L.ieee,
+        bias=x.w1_bias,
+    )
 
 
 @step
@@ -187,18 +226,39 @@ def _gemm1_fp8(c, sorted_ids, block_expert, act, a1q, a1_scale=None):
 @step
 def _quantize_act(c, act, a2q, a2_scale=None, a2_partial=None):
     x, p, L = c.x, c.p, c.launch
-    quantize_activation(act, L.quant_mode, out=a2q, scale_out=a2_scale,
-                        static_scale=x.a2_scale if L.static_scale else None, partial=a2_partial,
-                        topk_ids=_ids(c), expert_map=x.expert_map, num_experts=p.E, global_num_experts=p.global_E,
-                        group_k=L.group_k)
+    quantize_activation(
+        act,
+        L.quant_mode,
+        out=a2q,
+        scale_out=a2_scale,
+        static_scale=x.a2_scale if L.static_scale else None,
+        partial=a2_partial,
+        topk_ids=_ids(c),
+        expert_map=x.expert_map,
+        num_experts=p.E,
+        global_num_experts=p.global_E,
+        group_k=L.group_k,
+    )
 
 
 def _gemm2_call(c, sorted_ids, block_expert, y, a, a_scale) -> None:
     x, p, L = c.x, c.p, c.launch
-    moe_gemm2(a, x.w2, y, sorted_ids, block_expert, num_blocks=L.num_blocks, config=L.config.gemm2,
-              topk_weights=None if p.apply_router_weight_on_input else x.topk_weights,
-              quant_mode=L.quant_mode, a_scale=a_scale, w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
-              block_shape=L.block_shape, fp32_ieee=L.ieee, bias=x.w2_bias)
+    moe_gemm2(
+        a,
+        x.w2,
+        y,
+        sorted_ids,
+        block_expert,
+        num_blocks=L.num_blocks,
+        config=L.config.gemm2,
+        topk_weights=None if p.apply_router_weight_on_input else x.topk_weights,
+        quant_mode=L.quant_mode,
+        a_scale=a_scale,
+        w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
+        block_shape=L.block_shape,
+        fp32_ieee=L.ieee,
+        bias=x.w2_bias,
+    )
 
 
 @step
@@ -256,8 +316,10 @@ class TritonExperts(Experts):
                 if min(bn, bk) < 16 or bk & (bk - 1) or bn & (bn - 1):
                     return f"fp8_block needs power-of-two block_shape >= 16, got {p.quant.block_shape}"
                 if bk < MIN_FP8_BLOCK_K and not _interpreting():
-                    return (f"fp8_block on the GPU needs scale groups of >= {MIN_FP8_BLOCK_K} along K (an fp8 dot "
-                            f"tile is at least that deep), got block_shape {p.quant.block_shape}")
+                    return (
+                        f"fp8_block on the GPU needs scale groups of >= {MIN_FP8_BLOCK_K} along K (an fp8 dot "
+                        f"tile is at least that deep), got block_shape {p.quant.block_shape}"
+                    )
         return None
 
     def _ieee(self, p: MoEProblem) -> bool:

@@ -117,8 +117,11 @@ def experts_unsupported(experts: nn.Module) -> str | None:
     if dtype is not None and dtype not in (*SERVED_DTYPES, torch.float64):
         return f"expert weights of dtype {dtype} (quantized) are not supported through transformers"
     standard = getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
-    gpt_oss = (getattr(experts, "is_transposed", False) and not getattr(experts, "is_concatenated", True)
-               and getattr(experts, "has_bias", False))
+    gpt_oss = (
+        getattr(experts, "is_transposed", False)
+        and not getattr(experts, "is_concatenated", True)
+        and getattr(experts, "has_bias", False)
+    )
     if not (standard or gpt_oss):
         return "weight layout not supported (concatenated [E, 2I, H] or gpt-oss's interleaved, transposed one)"
     try:
@@ -142,8 +145,11 @@ def _warn_once(module: nn.Module, what: str, reason: str) -> None:
 
 
 def _named_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules()
-            if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed")]
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed")
+    ]
 
 
 def check_experts_implementation(model: nn.Module) -> None:
@@ -161,9 +167,12 @@ def check_experts_implementation(model: nn.Module) -> None:
         elif _dtype_unsupported(experts.gate_up_proj.dtype) is not None:
             left_to_transformers.append(_dtype_unsupported(experts.gate_up_proj.dtype))
     if left_to_transformers and not problems:
-        _warn_once(model, f"{type(model).__name__} with experts_implementation='fusedmoe': "
-                          f"{len(left_to_transformers)} experts modules run transformers' eager experts",
-                   left_to_transformers[0])
+        _warn_once(
+            model,
+            f"{type(model).__name__} with experts_implementation='fusedmoe': "
+            f"{len(left_to_transformers)} experts modules run transformers' eager experts",
+            left_to_transformers[0],
+        )
     if not named:
         reason = _config_unsupported(getattr(model, "config", None))
         if reason is not None:
@@ -270,8 +279,9 @@ def _expert_weights(experts: nn.Module):
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            w1, b1, w2, b2 = (nn.Parameter(t, requires_grad=False)
-                              for t in gpt_oss_to_fused(*(p.detach() for p in params)))
+            w1, b1, w2, b2 = (
+                nn.Parameter(t, requires_grad=False) for t in gpt_oss_to_fused(*(p.detach() for p in params))
+            )
         cached = (key, (w1, w2, b1, b2))
         experts.__dict__[_CACHE_ATTR] = cached
     return cached[1]
@@ -311,8 +321,9 @@ def fusedmoe_experts_forward(
     the experts class's own forward instead, with a warning naming the module and the reason."""
     activation, reason = _experts_verdict(self, hidden_states.dtype)
     if reason is not None:
-        _warn_once(self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' eager "
-                         "experts", reason)
+        _warn_once(
+            self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' eager experts", reason
+        )
         return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
     w1, w2, b1, b2 = _expert_weights(self)
     if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights (older DeepSeek-V2 style)
@@ -324,14 +335,38 @@ def fusedmoe_experts_forward(
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
     if torch.is_grad_enabled():
-        forbid_gradients(f"{type(self).__name__} (experts_implementation='fusedmoe')", hidden_states=hidden_states,
-                         top_k_weights=top_k_weights, **{n: getattr(self, n, None) for n in _EXPERT_PARAMS})
+        forbid_gradients(
+            f"{type(self).__name__} (experts_implementation='fusedmoe')",
+            hidden_states=hidden_states,
+            top_k_weights=top_k_weights,
+            **{n: getattr(self, n, None) for n in _EXPERT_PARAMS},
+        )
     if torch.compiler.is_compiling():
-        out = fused_moe_op(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
-                           backend=backend, w1_bias=b1, w2_bias=b2)
+        out = fused_moe_op(
+            x,
+            w1,
+            w2,
+            weights,
+            top_k_index,
+            activation=activation,
+            workspace=workspace,
+            backend=backend,
+            w1_bias=b1,
+            w2_bias=b2,
+        )
     else:
-        out = fused_moe(x, w1, w2, weights, top_k_index, activation=activation, workspace=workspace,
-                        backend=backend, w1_bias=b1, w2_bias=b2)
+        out = fused_moe(
+            x,
+            w1,
+            w2,
+            weights,
+            top_k_index,
+            activation=activation,
+            workspace=workspace,
+            backend=backend,
+            w1_bias=b1,
+            w2_bias=b2,
+        )
     return out.to(hidden_states.dtype)
 
 
@@ -361,8 +396,10 @@ def _observed(module: nn.Module) -> bool:
 
 
 def _is_output_recorder(hook) -> bool:
-    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
-            and getattr(hook, "__name__", None) == "output_capturing_hook")
+    return (
+        getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+        and getattr(hook, "__name__", None) == "output_capturing_hook"
+    )
 
 
 def _recording(key: str) -> bool:
@@ -378,8 +415,15 @@ class _Patch:
     """The fusedmoe state of one patched block: its model type, the workspace group and backend, the
     experts implementation under which the fused path runs, and the FusedMoE layer (built on demand)."""
 
-    def __init__(self, model_type: str, group: _WorkspaceGroup, backend: str, implementation: str | None,
-                 original_class: type, previous_implementation: str | None):
+    def __init__(
+        self,
+        model_type: str,
+        group: _WorkspaceGroup,
+        backend: str,
+        implementation: str | None,
+        original_class: type,
+        previous_implementation: str | None,
+    ):
         self.model_type = model_type
         self.group = group
         self.backend = backend
@@ -391,14 +435,22 @@ class _Patch:
     def __deepcopy__(self, memo):
         # a copy shares the workspace managers (they serve any number of layers); its layer is rebuilt on the
         # copied block's own tensors
-        new = _Patch(self.model_type, self.group, self.backend, self.implementation, self.original_class,
-                     self.previous_implementation)
+        new = _Patch(
+            self.model_type,
+            self.group,
+            self.backend,
+            self.implementation,
+            self.original_class,
+            self.previous_implementation,
+        )
         memo[id(self)] = new
         return new
 
     def __getstate__(self):
-        raise TypeError("a model patched by fusedmoe cannot be pickled (its workspace managers hold locks and device "
-                        "memory); save it with save_pretrained / state_dict, or unpatch_model first")
+        raise TypeError(
+            "a model patched by fusedmoe cannot be pickled (its workspace managers hold locks and device "
+            "memory); save it with save_pretrained / state_dict, or unpatch_model first"
+        )
 
 
 class _WorkspaceGroup:
@@ -456,8 +508,10 @@ def _in_sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> bool:
             return False
     elif P["w1"] is not experts.gate_up_proj or P["w2"] is not experts.down_proj:
         return False
-    if patch.model_type == "deepseek_v3" and layer._buffers["e_score_correction_bias"] is not \
-            router.e_score_correction_bias:
+    if (
+        patch.model_type == "deepseek_v3"
+        and layer._buffers["e_score_correction_bias"] is not router.e_score_correction_bias
+    ):
         return False
     return P["gate"] is router.weight
 
@@ -502,8 +556,11 @@ class FusedMoEBlock(nn.Module):
         if self.experts.config._experts_implementation != patch.implementation:
             return False
         if hidden_states.dtype not in SERVED_DTYPES:
-            _warn_once(self, f"patched {patch.model_type} MoE block runs transformers' forward",
-                       _dtype_unsupported(hidden_states.dtype))
+            _warn_once(
+                self,
+                f"patched {patch.model_type} MoE block runs transformers' forward",
+                _dtype_unsupported(hidden_states.dtype),
+            )
             return False
         return not (self.training and getattr(self, "jitter_noise", 0) > 0)
 
@@ -516,8 +573,9 @@ class FusedMoEBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         router = _router_of(self, model_type)
         if torch.is_grad_enabled():
-            forbid_gradients(f"patched {model_type} MoE block", hidden_states=hidden_states,
-                             **dict(self.named_parameters()))
+            forbid_gradients(
+                f"patched {model_type} MoE block", hidden_states=hidden_states, **dict(self.named_parameters())
+            )
         if _observed(router):
             logits = router(hidden_states if model_type.startswith("deepseek") else x)[0]
         else:
@@ -560,8 +618,10 @@ def _patch_problems(blocks) -> list[str]:
             continue
         reason = experts_unsupported(experts)
         if reason is None and "forward" in block.__dict__:
-            reason = ("its forward is replaced on the instance (e.g. by an accelerate hook), which would bypass "
-                      "the patch: patch before dispatching, or use experts_implementation='fusedmoe'")
+            reason = (
+                "its forward is replaced on the instance (e.g. by an accelerate hook), which would bypass "
+                "the patch: patch before dispatching, or use experts_implementation='fusedmoe'"
+            )
         if reason is None:
             try:
                 layer_kwargs(config, shared_experts=False)
@@ -597,8 +657,9 @@ def patch_model(
         )
     problems = _patch_problems(blocks)
     if problems:
-        raise NotImplementedError("fusedmoe cannot compute these MoE blocks exactly; the model is left as it "
-                                  "was:\n  " + "\n  ".join(problems))
+        raise NotImplementedError(
+            "fusedmoe cannot compute these MoE blocks exactly; the model is left as it was:\n  " + "\n  ".join(problems)
+        )
     if workspace is None:
         workspace = WorkspaceManager(_model_device(model))
     workspace_id(workspace)
@@ -618,8 +679,7 @@ def patch_model(
         block.register_load_state_dict_post_hook(_after_load)
     reason = _dtype_unsupported(blocks[0][1].experts.gate_up_proj.dtype)
     if reason is not None and implementation != EXPERTS_IMPLEMENTATION:  # else the selection check warned
-        _warn_once(model, f"patch_model({type(model).__name__}): the patched blocks run transformers' forward",
-                   reason)
+        _warn_once(model, f"patch_model({type(model).__name__}): the patched blocks run transformers' forward", reason)
     return workspace
 
 
@@ -658,8 +718,11 @@ def unpatch_model(model: nn.Module) -> int:
     if blocks:
         patch_config = blocks[0].experts.config
         previous = patch.previous_implementation
-        if (patch_config._experts_implementation == patch.implementation != previous
-                and hasattr(model, "set_experts_implementation") and model._can_set_experts_implementation()):
+        if (
+            patch_config._experts_implementation == patch.implementation != previous
+            and hasattr(model, "set_experts_implementation")
+            and model._can_set_experts_implementation()
+        ):
             model.set_experts_implementation(previous)
     return len(blocks)
 

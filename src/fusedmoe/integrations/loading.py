@@ -94,20 +94,34 @@ def layer_kwargs(config, *, shared_experts: bool = True) -> dict:
     E = _attr(config, "num_experts", "num_local_experts", "n_routed_experts")
     kw: dict = dict(num_experts=E, top_k=k, hidden_size=H)
     if mt in ("qwen3_moe", "qwen2_moe"):
-        kw.update(intermediate_size=config.moe_intermediate_size, scoring="softmax",
-                  renormalize=bool(config.norm_topk_prob), activation=_activation(config))
+        kw.update(
+            intermediate_size=config.moe_intermediate_size,
+            scoring="softmax",
+            renormalize=bool(config.norm_topk_prob),
+            activation=_activation(config),
+        )
         if shared_experts and mt == "qwen2_moe" and getattr(config, "shared_expert_intermediate_size", 0):
-            kw.update(num_shared_experts=1, shared_intermediate_size=config.shared_expert_intermediate_size,
-                      shared_expert_gate=True)
+            kw.update(
+                num_shared_experts=1,
+                shared_intermediate_size=config.shared_expert_intermediate_size,
+                shared_expert_gate=True,
+            )
     elif mt in ("mixtral", "olmoe"):
         renorm = True if mt == "mixtral" else bool(config.norm_topk_prob)
-        kw.update(intermediate_size=config.intermediate_size, scoring="softmax", renormalize=renorm,
-                  activation=_activation(config))
+        kw.update(
+            intermediate_size=config.intermediate_size,
+            scoring="softmax",
+            renormalize=renorm,
+            activation=_activation(config),
+        )
     elif mt in ("deepseek_v2", "deepseek_v3"):
         if shared_experts and getattr(config, "mlp_bias", False):
             raise NotImplementedError("DeepSeek shared experts with mlp_bias=True are not supported")
-        kw.update(intermediate_size=config.moe_intermediate_size, activation=_activation(config),
-                  routed_scaling_factor=float(config.routed_scaling_factor))
+        kw.update(
+            intermediate_size=config.moe_intermediate_size,
+            activation=_activation(config),
+            routed_scaling_factor=float(config.routed_scaling_factor),
+        )
         if mt == "deepseek_v2":
             method = getattr(config, "topk_method", "greedy")
             kw.update(scoring="softmax", renormalize=False)
@@ -130,8 +144,14 @@ def layer_kwargs(config, *, shared_experts: bool = True) -> dict:
                 f"gpt-oss swiglu_alpha={alpha}, swiglu_limit={limit}: fusedmoe's 'swigluoai' is fixed at "
                 f"alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}"
             )
-        kw.update(intermediate_size=config.intermediate_size, scoring="softmax_topk", renormalize=False,
-                  activation="swigluoai", expert_bias=True, router_bias=True)
+        kw.update(
+            intermediate_size=config.intermediate_size,
+            scoring="softmax_topk",
+            renormalize=False,
+            activation="swigluoai",
+            expert_bias=True,
+            router_bias=True,
+        )
     return kw
 
 
@@ -202,18 +222,23 @@ def convert_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config, prefix
     Handles the fused (transformers 5), per-expert (older) and gpt-oss layouts; see the module docstring.
     """
     mt = getattr(config, "model_type", None)
-    sd = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    sd = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     out: dict[str, torch.Tensor] = {}
     if mt == "gpt_oss":
-        w1, b1, w2, b2 = gpt_oss_to_fused(sd["experts.gate_up_proj"], sd["experts.gate_up_proj_bias"],
-                                          sd["experts.down_proj"], sd["experts.down_proj_bias"])
+        w1, b1, w2, b2 = gpt_oss_to_fused(
+            sd["experts.gate_up_proj"],
+            sd["experts.gate_up_proj_bias"],
+            sd["experts.down_proj"],
+            sd["experts.down_proj_bias"],
+        )
         out.update(w1=w1, w2=w2, w1_bias=b1, w2_bias=b2, gate=sd["router.weight"], gate_bias=sd["router.bias"])
         return out
     if "experts.gate_up_proj" in sd:
         out["w1"], out["w2"] = sd["experts.gate_up_proj"], sd["experts.down_proj"]
     else:
-        out["w1"], out["w2"] = per_expert_to_fused(sd, "experts.", _attr(config, "num_experts", "num_local_experts",
-                                                                          "n_routed_experts"))
+        out["w1"], out["w2"] = per_expert_to_fused(
+            sd, "experts.", _attr(config, "num_experts", "num_local_experts", "n_routed_experts")
+        )
     out["gate"] = sd["gate.weight"]
     if "gate.e_score_correction_bias" in sd:
         out["e_score_correction_bias"] = sd["gate.e_score_correction_bias"].float()
@@ -252,8 +277,16 @@ def _new_layer(cls, config, device, dtype, **kwargs):
     return cls(**kw, device=device, dtype=dtype)
 
 
-def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor] | str | os.PathLike, config, *, prefix: str = "",
-                       cls=None, device=None, dtype=None, **kwargs):
+def from_hf_state_dict(
+    state_dict: Mapping[str, torch.Tensor] | str | os.PathLike,
+    config,
+    *,
+    prefix: str = "",
+    cls=None,
+    device=None,
+    dtype=None,
+    **kwargs,
+):
     """A FusedMoE holding one MoE block's weights from a state dict (or safetensors path(s)) and its config.
 
     ``prefix`` selects the block (e.g. ``"model.layers.3.mlp."``). ``dtype`` / ``device`` default to the
@@ -271,8 +304,13 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor] | str | os.PathLik
     missing, extra = expected - set(sd), set(sd) - expected
     if missing or extra:
         raise KeyError(f"state dict does not match the layer: missing {sorted(missing)}, unexpected {sorted(extra)}")
-    layer.load_state_dict({k: v.to(device=device, dtype=torch.float32 if k == "e_score_correction_bias" else dtype)
-                           for k, v in sd.items()}, assign=True)
+    layer.load_state_dict(
+        {
+            k: v.to(device=device, dtype=torch.float32 if k == "e_score_correction_bias" else dtype)
+            for k, v in sd.items()
+        },
+        assign=True,
+    )
     for p in layer.parameters():
         p.requires_grad_(False)
     return layer
@@ -303,9 +341,17 @@ def from_hf(module: nn.Module, *, cls=None, config=None, share_weights: bool = T
         raise NotImplementedError("transformers' expert-parallel experts are not supported; use fusedmoe's EP")
     mt = config.model_type
     if mt == "gpt_oss":
-        sd = dict(zip(("w1", "w1_bias", "w2", "w2_bias"), gpt_oss_to_fused(
-            experts.gate_up_proj.data, experts.gate_up_proj_bias.data, experts.down_proj.data,
-            experts.down_proj_bias.data)))
+        sd = dict(
+            zip(
+                ("w1", "w1_bias", "w2", "w2_bias"),
+                gpt_oss_to_fused(
+                    experts.gate_up_proj.data,
+                    experts.gate_up_proj_bias.data,
+                    experts.down_proj.data,
+                    experts.down_proj_bias.data,
+                ),
+            )
+        )
     else:
         sd = {"w1": experts.gate_up_proj.data, "w2": experts.down_proj.data}
     router = getattr(module, "router", None) if mt == "gpt_oss" else getattr(module, "gate", None)

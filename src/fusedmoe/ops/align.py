@@ -97,9 +97,22 @@ def _tail_blocks(block_expert_ptr, num_padded, lo, hi, BLOCK_M: tl.constexpr, BB
 
 
 @triton.jit
-def _align_pairs(ids_ptr, map_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n_slots, global_E, E, max_blocks,
-                 HAS_MAP: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr, PW: tl.constexpr,
-                 BB: tl.constexpr):
+def _align_pairs(
+    ids_ptr,
+    map_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    n_slots,
+    global_E,
+    E,
+    max_blocks,
+    HAS_MAP: tl.constexpr,
+    S: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PW: tl.constexpr,
+    BB: tl.constexpr,
+):
     i = tl.arange(0, S)
     m = i < n_slots
     e = _local_expert(tl.load(ids_ptr + i, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
@@ -140,8 +153,19 @@ def _sub_rank(ids_ptr, map_ptr, s0, stop, global_E, E, HAS_MAP: tl.constexpr, SU
 
 
 @triton.jit
-def _align_count(ids_ptr, map_ptr, partial_ptr, n_slots, global_E, E, span,
-                 HAS_MAP: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
+def _align_count(
+    ids_ptr,
+    map_ptr,
+    partial_ptr,
+    n_slots,
+    global_E,
+    E,
+    span,
+    HAS_MAP: tl.constexpr,
+    SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -157,11 +181,31 @@ def _align_count(ids_ptr, map_ptr, partial_ptr, n_slots, global_E, E, span,
 
 
 @triton.jit
-def _align_scatter(ids_ptr, map_ptr, partial_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-                   n_slots, global_E, E, span, n_prog, max_blocks,
-                   HAS_MAP: tl.constexpr, SINGLE: tl.constexpr, N_ALL: tl.constexpr, SUB: tl.constexpr,
-                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EC: tl.constexpr,
-                   PW: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr):
+def _align_scatter(
+    ids_ptr,
+    map_ptr,
+    partial_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    n_slots,
+    global_E,
+    E,
+    span,
+    n_prog,
+    max_blocks,
+    HAS_MAP: tl.constexpr,
+    SINGLE: tl.constexpr,
+    N_ALL: tl.constexpr,
+    SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
+    EC: tl.constexpr,
+    PW: tl.constexpr,
+    BB: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     start = pid * span
     stop = tl.minimum(start + span, n_slots)
@@ -185,8 +229,7 @@ def _align_scatter(ids_ptr, map_ptr, partial_ptr, sorted_ptr, block_expert_ptr, 
         prefix = tl.zeros([E_PAD], dtype=tl.int32)
         for r0 in range(0, n_prog, ROWS):
             rows = r0 + tl.arange(0, ROWS)
-            tile = tl.load(partial_ptr + rows[:, None] * E_PAD + e_idx[None, :],
-                           mask=(rows < n_prog)[:, None], other=0)
+            tile = tl.load(partial_ptr + rows[:, None] * E_PAD + e_idx[None, :], mask=(rows < n_prog)[:, None], other=0)
             total += tl.sum(tile, axis=0)
             prefix += tl.sum(tl.where((rows < pid)[:, None], tile, 0), axis=0)
 
@@ -354,34 +397,90 @@ def moe_align(
     pw = min(next_pow2(block_m), 64)
     if p.mode == "pairs":
         bb = min(next_pow2(p.max_blocks), _TILE)
-        launch(_align_pairs, (1,), topk_ids, map_arg, sorted_ids, block_expert, num_padded, n, global_num_experts,
-                           num_experts, p.max_blocks, HAS_MAP=has_map, S=p.sub, BLOCK_M=block_m,
-                           PW=min(pw, max(1, _TILE // p.sub)), BB=bb, num_warps=p.num_warps)
+        launch(
+            _align_pairs,
+            (1,),
+            topk_ids,
+            map_arg,
+            sorted_ids,
+            block_expert,
+            num_padded,
+            n,
+            global_num_experts,
+            num_experts,
+            p.max_blocks,
+            HAS_MAP=has_map,
+            S=p.sub,
+            BLOCK_M=block_m,
+            PW=min(pw, max(1, _TILE // p.sub)),
+            BB=bb,
+            num_warps=p.num_warps,
+        )
         return sorted_ids, block_expert, num_padded
 
     pdl = False
     if p.mode == "two":
         partial = buf(partial, p.partial_shape)
         pdl = _use_pdl(dev)
-        launch(_align_count, (p.n_prog,), topk_ids, map_arg, partial, n, global_num_experts, num_experts, p.span,
-                                  HAS_MAP=has_map, SUB=p.sub, E_PAD=p.e_pad, PDL=pdl, num_warps=4)
+        launch(
+            _align_count,
+            (p.n_prog,),
+            topk_ids,
+            map_arg,
+            partial,
+            n,
+            global_num_experts,
+            num_experts,
+            p.span,
+            HAS_MAP=has_map,
+            SUB=p.sub,
+            E_PAD=p.e_pad,
+            PDL=pdl,
+            num_warps=4,
+        )
     else:
         partial = sorted_ids  # unused
     ec = min(next_pow2(cdiv(num_experts, p.n_prog)), max(1, _TILE // pw))
     bb = min(next_pow2(cdiv(p.max_blocks, p.n_prog)), _TILE)
     rows = min(next_pow2(p.n_prog), max(1, 8192 // p.e_pad))
-    launch(_align_scatter, (p.n_prog,),
-        topk_ids, map_arg, partial, sorted_ids, block_expert, num_padded,
-        n, global_num_experts, num_experts, p.span, p.n_prog, p.max_blocks,
-        HAS_MAP=has_map, SINGLE=p.mode == "single", N_ALL=next_pow2(n), SUB=p.sub, E_PAD=p.e_pad,
-        BLOCK_M=block_m, ROWS=rows, EC=ec, PW=pw, BB=bb, PDL=pdl, num_warps=p.num_warps,
+    launch(
+        _align_scatter,
+        (p.n_prog,),
+        topk_ids,
+        map_arg,
+        partial,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        n,
+        global_num_experts,
+        num_experts,
+        p.span,
+        p.n_prog,
+        p.max_blocks,
+        HAS_MAP=has_map,
+        SINGLE=p.mode == "single",
+        N_ALL=next_pow2(n),
+        SUB=p.sub,
+        E_PAD=p.e_pad,
+        BLOCK_M=block_m,
+        ROWS=rows,
+        EC=ec,
+        PW=pw,
+        BB=bb,
+        PDL=pdl,
+        num_warps=p.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return sorted_ids, block_expert, num_padded
 
 
-def local_expert_reference(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None,
-                           global_num_experts: int | None = None) -> torch.Tensor:
+def local_expert_reference(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+) -> torch.Tensor:
     """Torch twin of ``_local_expert``: int64 local id per slot, -1 where non-local or out of range."""
     if global_num_experts is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
@@ -395,9 +494,14 @@ def local_expert_reference(topk_ids: torch.Tensor, num_experts: int, expert_map:
     return torch.where((loc >= 0) & (loc < num_experts), loc, torch.full_like(loc, -1))
 
 
-def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
-                    expert_map: torch.Tensor | None = None, global_num_experts: int | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_reference(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    *,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`moe_align` with the same output shapes; unwritten tail entries are -2
     in ``sorted_ids`` (the kernel leaves them unwritten)."""
     n = topk_ids.numel()
@@ -417,5 +521,12 @@ def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int, *,
     return sorted_ids, block_expert, torch.tensor([pos], dtype=torch.int32)
 
 
-__all__ = ["AlignParams", "align_launches", "align_params", "align_reference", "local_expert_reference",
-           "max_padded_size", "moe_align"]
+__all__ = [
+    "AlignParams",
+    "align_launches",
+    "align_params",
+    "align_reference",
+    "local_expert_reference",
+    "max_padded_size",
+    "moe_align",
+]

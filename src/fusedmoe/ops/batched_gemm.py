@@ -43,13 +43,39 @@ def _batched_ids(T, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _batched_gemm(
-    a_ptr, w_ptr, out_ptr, count_ptr, a_scale_ptr, w_scale_ptr,
-    T, N, K,
-    stride_ae, stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_oe, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-    GATED: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    count_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    T,
+    N,
+    K,
+    stride_ae,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_oe,
+    stride_om,
+    stride_on,
+    stride_asm,
+    stride_ask,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     e, mb, nb = _batched_ids(T, N, BLOCK_M, BLOCK_N)
     count = tl.minimum(tl.load(count_ptr + e), T)
@@ -147,24 +173,45 @@ def _check(a, w, out, counts, quant_mode, a_scale, w_scale, block_shape, cfg):
         raise ValueError(f"fp8_block: BLOCK_K {cfg.block_k} must divide the scale group {block_shape[1]}")
 
 
-def _launch(a, w, out, counts, N, K, gated, activation, config, quant_mode, a_scale, w_scale, block_shape,
-            fp32_ieee):
+def _launch(a, w, out, counts, N, K, gated, activation, config, quant_mode, a_scale, w_scale, block_shape, fp32_ieee):
     E, T = a.shape[0], a.shape[1]
     if E == 0 or T == 0 or N == 0:
         return out
     grid = (E * cdiv(T, config.block_m) * cdiv(N, config.block_n),)
-    launch(_batched_gemm, grid,
-        a, w, out, counts,
-        a_scale if a_scale is not None else a, w_scale if w_scale is not None else a,
-        T, N, K,
-        a.stride(0), a.stride(1), a.stride(2), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+    launch(
+        _batched_gemm,
+        grid,
+        a,
+        w,
+        out,
+        counts,
+        a_scale if a_scale is not None else a,
+        w_scale if w_scale is not None else a,
+        T,
+        N,
+        K,
+        a.stride(0),
+        a.stride(1),
+        a.stride(2),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         *_scale_strides(quant_mode, a_scale, w_scale),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        QUANT=_QUANT_CODES[quant_mode], GROUP_N=block_shape[0], GROUP_K=block_shape[1],
-        GATED=gated, ACTIVATION=_ACTIVATIONS[activation], IEEE=fp32_ieee and a.dtype == torch.float32,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        QUANT=_QUANT_CODES[quant_mode],
+        GROUP_N=block_shape[0],
+        GROUP_K=block_shape[1],
+        GATED=gated,
+        ACTIVATION=_ACTIVATIONS[activation],
+        IEEE=fp32_ieee and a.dtype == torch.float32,
         EVEN_K=K % config.block_k == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
@@ -196,8 +243,22 @@ def batched_gemm1(
     I = w1.shape[1] // 2
     if w1.shape[1] != 2 * I or a.shape[2] != w1.shape[2] or out.shape[2] != I:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
-    return _launch(a, w1, out, expert_num_tokens, I, a.shape[2], True, activation, config, quant_mode, a_scale,
-                   w_scale, block_shape, fp32_ieee)
+    return _launch(
+        a,
+        w1,
+        out,
+        expert_num_tokens,
+        I,
+        a.shape[2],
+        True,
+        activation,
+        config,
+        quant_mode,
+        a_scale,
+        w_scale,
+        block_shape,
+        fp32_ieee,
+    )
 
 
 def batched_gemm2(
@@ -218,8 +279,22 @@ def batched_gemm2(
     H = w2.shape[1]
     if a.shape[2] != w2.shape[2] or out.shape[2] != H:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w2 {tuple(w2.shape)}, out {tuple(out.shape)}")
-    return _launch(a, w2, out, expert_num_tokens, H, a.shape[2], False, "silu", config, quant_mode, a_scale,
-                   w_scale, block_shape, fp32_ieee)
+    return _launch(
+        a,
+        w2,
+        out,
+        expert_num_tokens,
+        H,
+        a.shape[2],
+        False,
+        "silu",
+        config,
+        quant_mode,
+        a_scale,
+        w_scale,
+        block_shape,
+        fp32_ieee,
+    )
 
 
 __all__ = ["batched_gemm1", "batched_gemm2"]

@@ -41,8 +41,9 @@ def _chunks(E: int, T: int) -> int:
 
 
 @triton.jit
-def _batched_absmax_partial(x_ptr, count_ptr, partial_ptr, T, K, C, rows_per_chunk, stride_xm,
-                            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _batched_absmax_partial(
+    x_ptr, count_ptr, partial_ptr, T, K, C, rows_per_chunk, stride_xm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+):
     pid = tl.program_id(0)
     e = pid // C
     c = pid % C
@@ -63,10 +64,25 @@ def _batched_absmax_partial(x_ptr, count_ptr, partial_ptr, T, K, C, rows_per_chu
 
 
 @triton.jit
-def _batched_quant_rows(x_ptr, q_ptr, scale_ptr, count_ptr, partial_ptr, n_partial, T, K,
-                        stride_xm, stride_qm, stride_sm, stride_sk,
-                        MODE: tl.constexpr, DYNAMIC: tl.constexpr, BLOCK_K: tl.constexpr, P_PAD: tl.constexpr,
-                        ROUND_IN_FP32: tl.constexpr):
+def _batched_quant_rows(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    count_ptr,
+    partial_ptr,
+    n_partial,
+    T,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sk,
+    MODE: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    P_PAD: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     q_dtype = q_ptr.dtype.element_ty
     if MODE == 1:
@@ -143,14 +159,43 @@ def batched_quantize(
     if dynamic:
         if partial is None or partial.numel() < n_part:
             raise ValueError(f"dynamic fp8_tensor needs a float32 partial buffer of {n_part} entries")
-        launch(_batched_absmax_partial, (n_part,), x, expert_num_tokens, partial, T, K, C, cdiv(T, C), x.stride(0),
-                                           BLOCK_R=4, BLOCK_K=min(block_k, 256), num_warps=4)
+        launch(
+            _batched_absmax_partial,
+            (n_part,),
+            x,
+            expert_num_tokens,
+            partial,
+            T,
+            K,
+            C,
+            cdiv(T, C),
+            x.stride(0),
+            BLOCK_R=4,
+            BLOCK_K=min(block_k, 256),
+            num_warps=4,
+        )
     sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
-    launch(_batched_quant_rows, (R,),
-        x, out, scale, expert_num_tokens, partial if dynamic else x, n_part, T, K,
-        x.stride(0), out.stride(0), sm, sk,
-        MODE=mode, DYNAMIC=dynamic, BLOCK_K=block_k, P_PAD=next_pow2(n_part),
-        ROUND_IN_FP32=x.device.type == "cpu", num_warps=4,
+    launch(
+        _batched_quant_rows,
+        (R,),
+        x,
+        out,
+        scale,
+        expert_num_tokens,
+        partial if dynamic else x,
+        n_part,
+        T,
+        K,
+        x.stride(0),
+        out.stride(0),
+        sm,
+        sk,
+        MODE=mode,
+        DYNAMIC=dynamic,
+        BLOCK_K=block_k,
+        P_PAD=next_pow2(n_part),
+        ROUND_IN_FP32=x.device.type == "cpu",
+        num_warps=4,
     )
     return out, scale
 

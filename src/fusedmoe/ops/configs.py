@@ -120,8 +120,9 @@ def quant_suffix(quant_mode: str | None, block_shape: tuple[int, int] | None = N
     return s
 
 
-def config_file_name(E: int, I: int, device: str, quant_mode: str | None = None,
-                     block_shape: tuple[int, int] | None = None) -> str:
+def config_file_name(
+    E: int, I: int, device: str, quant_mode: str | None = None, block_shape: tuple[int, int] | None = None
+) -> str:
     return f"E={E},N={I},device_name={device}{quant_suffix(quant_mode, block_shape)}.json"
 
 
@@ -149,8 +150,14 @@ def _load_file(path: str) -> dict[int, MoEConfig] | None:
     return table or None
 
 
-def load_table(E: int, I: int, device: str, quant_mode: str | None = None, block_shape: tuple[int, int] | None = None,
-               config_dir: str | None = None) -> dict[int, MoEConfig] | None:
+def load_table(
+    E: int,
+    I: int,
+    device: str,
+    quant_mode: str | None = None,
+    block_shape: tuple[int, int] | None = None,
+    config_dir: str | None = None,
+) -> dict[int, MoEConfig] | None:
     """The tuned table for this shape: first match in ``config_dir`` (default $FUSEDMOE_CONFIG_DIR), then the
     packaged dir. Per-token fp8 falls back to the per-tensor (vLLM ``dtype=fp8_w8a8``) file of the folder."""
     names = [config_file_name(E, I, device, quant_mode, block_shape)]
@@ -175,8 +182,15 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return min(p, cap)
 
 
-def heuristic_config(M: int, E: int, H: int, I: int, top_k: int, quant_mode: str | None = None,
-                     block_shape: tuple[int, int] | None = None) -> MoEConfig:
+def heuristic_config(
+    M: int,
+    E: int,
+    H: int,
+    I: int,
+    top_k: int,
+    quant_mode: str | None = None,
+    block_shape: tuple[int, int] | None = None,
+) -> MoEConfig:
     """A Hopper-minded default by average rows per expert (patterned on tuned H200 tables)."""
     rows = M * top_k / max(E, 1)
     fp8 = quant_mode is not None
@@ -273,8 +287,17 @@ def pin_config(cfg: MoEConfig | dict | None) -> None:
     _PINNED_GLOBAL[0] = MoEConfig.from_dict(cfg) if isinstance(cfg, dict) else cfg
 
 
-def get_config(M: int, E: int, H: int, I: int, top_k: int, *, quant_mode: str | None = None,
-               block_shape: tuple[int, int] | None = None, device: str | None = None) -> MoEConfig:
+def get_config(
+    M: int,
+    E: int,
+    H: int,
+    I: int,
+    top_k: int,
+    *,
+    quant_mode: str | None = None,
+    block_shape: tuple[int, int] | None = None,
+    device: str | None = None,
+) -> MoEConfig:
     """The config for a problem: pinned, else the nearest-M entry of a tuned file, else the heuristic."""
     pinned, config_dir = source_key()
     cfg = pinned
@@ -306,6 +329,22 @@ def table_to_json(table: dict[int, MoEConfig], source: str, failures: list[dict]
     return json.dumps(body, indent=2) + "\n"
 
 
-__all__ = ["ENV_DIR", "PACKAGED_DIR", "GemmConfig", "MoEConfig", "clear_cache", "config_file_name",
-           "device_name", "fit_config", "fit_smem", "get_config", "heuristic_config", "load_table", "pin_config",
-           "pinned_config", "smem_bytes", "source_key", "table_to_json"]
+__all__ = [
+    "ENV_DIR",
+    "PACKAGED_DIR",
+    "GemmConfig",
+    "MoEConfig",
+    "clear_cache",
+    "config_file_name",
+    "device_name",
+    "fit_config",
+    "fit_smem",
+    "get_config",
+    "heuristic_config",
+    "load_table",
+    "pin_config",
+    "pinned_config",
+    "smem_bytes",
+    "source_key",
+    "table_to_json",
+]

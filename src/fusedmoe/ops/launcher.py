@@ -146,14 +146,15 @@ class Recorder:
         if not callable(getattr(kernel, "fn", None)):
             return self.refuse(f"{kernel!r} is not a Triton kernel")
         params = _params(kernel)
-        values = list(args) + [kwargs.get(name, default) for name, default in params[len(args):]]
+        values = list(args) + [kwargs.get(name, default) for name, default in params[len(args) :]]
         slots = []
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor):
                 where = self._where(v)
                 if where is None:
-                    return self.refuse(f"argument {params[i][0]!r} of {kernel.fn.__name__} is not inside one "
-                                       "root or the arena")
+                    return self.refuse(
+                        f"argument {params[i][0]!r} of {kernel.fn.__name__} is not inside one root or the arena"
+                    )
                 slots.append((i, where[0], where[1], tuple(v.shape), tuple(v.stride()), v.dtype))
         grid = tuple(grid) + (1,) * (3 - len(grid))
         options = {k: v for k, v in kwargs.items() if k not in {name for name, _ in params}}
@@ -205,10 +206,25 @@ class _CompiledTrace(Trace):
             template = [(0 if isinstance(v, torch.Tensor) else v) for v in values]
             run = compiled.run
             direct = getattr(run, "launch", None)
-            if direct is not None and not getattr(run, "global_scratch_size", 1) \
-                    and not getattr(run, "profile_scratch_size", 1):
-                fn, rest = direct, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                                    compiled.packed_metadata, None, None, None)
+            if (
+                direct is not None
+                and not getattr(run, "global_scratch_size", 1)
+                and not getattr(run, "profile_scratch_size", 1)
+            ):
+                fn, rest = (
+                    direct,
+                    (
+                        compiled.function,
+                        run.launch_cooperative_grid,
+                        run.launch_pdl,
+                        None,
+                        None,
+                        compiled.packed_metadata,
+                        None,
+                        None,
+                        None,
+                    ),
+                )
             else:
                 fn, rest = run, (compiled.function, compiled.packed_metadata, None, None, None)
             subs = tuple((i, src, off) for i, src, off, *_ in slots)

@@ -64,8 +64,22 @@ def _row_is_valid(row, ids_ptr, map_ptr, global_E, E, HAS_IDS: tl.constexpr, HAS
 
 
 @triton.jit
-def _absmax_partial(x_ptr, ids_ptr, map_ptr, partial_ptr, R, K, rows_per_prog, global_E, E, stride_xm,
-                    HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _absmax_partial(
+    x_ptr,
+    ids_ptr,
+    map_ptr,
+    partial_ptr,
+    R,
+    K,
+    rows_per_prog,
+    global_E,
+    E,
+    stride_xm,
+    HAS_IDS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid = tl.program_id(0)
     start = pid * rows_per_prog
     stop = tl.minimum(start + rows_per_prog, R)
@@ -85,10 +99,29 @@ def _absmax_partial(x_ptr, ids_ptr, map_ptr, partial_ptr, R, K, rows_per_prog, g
 
 
 @triton.jit
-def _quant_rows(x_ptr, q_ptr, scale_ptr, ids_ptr, map_ptr, partial_ptr, n_partial, K, global_E, E,
-                stride_xm, stride_qm, stride_sm, stride_sk,
-                MODE: tl.constexpr, DYNAMIC: tl.constexpr, HAS_IDS: tl.constexpr, HAS_MAP: tl.constexpr,
-                BLOCK_K: tl.constexpr, P_PAD: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+def _quant_rows(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    ids_ptr,
+    map_ptr,
+    partial_ptr,
+    n_partial,
+    K,
+    global_E,
+    E,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    stride_sk,
+    MODE: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    P_PAD: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     q_dtype = q_ptr.dtype.element_ty
     if MODE == 1:
@@ -174,8 +207,11 @@ def quantize_activation(
     if static_scale is not None:
         scale = static_scale
     else:
-        scale = scale_out if scale_out is not None else torch.empty(
-            scale_shape(quant_mode, R, K, group_k), dtype=torch.float32, device=x.device)
+        scale = (
+            scale_out
+            if scale_out is not None
+            else torch.empty(scale_shape(quant_mode, R, K, group_k), dtype=torch.float32, device=x.device)
+        )
     if R == 0:
         return out, scale
     has_ids = topk_ids is not None
@@ -194,15 +230,50 @@ def quantize_activation(
         if partial is None:
             partial = torch.empty(n_part, dtype=torch.float32, device=x.device)
         rpp = cdiv(R, n_part)
-        launch(_absmax_partial, (n_part,), x, ids_arg, map_arg, partial, R, K, rpp, gE, E, x.stride(0),
-                                   HAS_IDS=has_ids, HAS_MAP=expert_map is not None,
-                                   BLOCK_R=4, BLOCK_K=min(block_k, 256), num_warps=4)
+        launch(
+            _absmax_partial,
+            (n_part,),
+            x,
+            ids_arg,
+            map_arg,
+            partial,
+            R,
+            K,
+            rpp,
+            gE,
+            E,
+            x.stride(0),
+            HAS_IDS=has_ids,
+            HAS_MAP=expert_map is not None,
+            BLOCK_R=4,
+            BLOCK_K=min(block_k, 256),
+            num_warps=4,
+        )
     sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
-    launch(_quant_rows, (R,),
-        x, out, scale, ids_arg, map_arg, partial if dynamic else x, n_part, K, gE, E,
-        x.stride(0), out.stride(0), sm, sk,
-        MODE=mode, DYNAMIC=dynamic, HAS_IDS=has_ids, HAS_MAP=expert_map is not None,
-        BLOCK_K=block_k, P_PAD=next_pow2(n_part), ROUND_IN_FP32=x.device.type == "cpu",
+    launch(
+        _quant_rows,
+        (R,),
+        x,
+        out,
+        scale,
+        ids_arg,
+        map_arg,
+        partial if dynamic else x,
+        n_part,
+        K,
+        gE,
+        E,
+        x.stride(0),
+        out.stride(0),
+        sm,
+        sk,
+        MODE=mode,
+        DYNAMIC=dynamic,
+        HAS_IDS=has_ids,
+        HAS_MAP=expert_map is not None,
+        BLOCK_K=block_k,
+        P_PAD=next_pow2(n_part),
+        ROUND_IN_FP32=x.device.type == "cpu",
         num_warps=4,
     )
     return out, scale

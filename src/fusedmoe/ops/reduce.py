@@ -17,9 +17,20 @@ from .launcher import launch
 
 
 @triton.jit
-def _moe_reduce(y_ptr, ids_ptr, map_ptr, out_ptr, H, global_E, E,
-                stride_ym, stride_om,
-                TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_reduce(
+    y_ptr,
+    ids_ptr,
+    map_ptr,
+    out_ptr,
+    H,
+    global_E,
+    E,
+    stride_ym,
+    stride_om,
+    TOP_K: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
@@ -65,10 +76,22 @@ def moe_reduce(
     if global_num_experts is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
     bh = reduce_block_h(H)
-    launch(_moe_reduce, (M, cdiv(H, bh)),
-        y, topk_ids, expert_map if expert_map is not None else topk_ids, out, H, global_num_experts, num_experts,
-        y.stride(0), out.stride(0),
-        TOP_K=k, HAS_MAP=expert_map is not None, BLOCK_H=bh, num_warps=4,
+    launch(
+        _moe_reduce,
+        (M, cdiv(H, bh)),
+        y,
+        topk_ids,
+        expert_map if expert_map is not None else topk_ids,
+        out,
+        H,
+        global_num_experts,
+        num_experts,
+        y.stride(0),
+        out.stride(0),
+        TOP_K=k,
+        HAS_MAP=expert_map is not None,
+        BLOCK_H=bh,
+        num_warps=4,
     )
     return out
 

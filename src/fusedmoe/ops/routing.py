@@ -51,11 +51,24 @@ def _positive(d):
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr,
-    M, E, stride_lm, scale,
-    K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
-    SCORING: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, GROUP_RANK_TOP2: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    M,
+    E,
+    stride_lm,
+    scale,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    SCORING: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    GROUP_RANK_TOP2: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
@@ -195,12 +208,26 @@ def route_fused(
     e_pad = next_pow2(E)
     rows = ROUTE_ROWS or max(1, min(4, 512 // e_pad))
     groups = num_expert_groups if (num_expert_groups or 1) > 1 else 1
-    launch(_route_kernel, (cdiv(M, rows),),
-        logits, correction_bias if correction_bias is not None else logits, weights, ids,
-        M, E, logits.stride(0), float(routed_scaling_factor),
-        K=top_k, K_PAD=next_pow2(top_k), E_PAD=e_pad, ROWS=rows,
-        SCORING=_SCORING[scoring], RENORM=bool(renormalize), HAS_BIAS=correction_bias is not None,
-        GROUPS=groups, TOPK_GROUPS=topk_groups or 1,
+    launch(
+        _route_kernel,
+        (cdiv(M, rows),),
+        logits,
+        correction_bias if correction_bias is not None else logits,
+        weights,
+        ids,
+        M,
+        E,
+        logits.stride(0),
+        float(routed_scaling_factor),
+        K=top_k,
+        K_PAD=next_pow2(top_k),
+        E_PAD=e_pad,
+        ROWS=rows,
+        SCORING=_SCORING[scoring],
+        RENORM=bool(renormalize),
+        HAS_BIAS=correction_bias is not None,
+        GROUPS=groups,
+        TOPK_GROUPS=topk_groups or 1,
         GROUP_RANK_TOP2=scoring == "sigmoid" or correction_bias is not None,
         num_warps=ROUTE_WARPS or 4,
     )

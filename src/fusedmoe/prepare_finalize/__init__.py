@@ -5,5 +5,10 @@ from .base import PrepareFinalize
 from .batched import BatchedCapacityError, BatchedPrepareFinalize
 from .local import LocalPrepareFinalize
 
-__all__ = ["AllToAllPrepareFinalize", "BatchedCapacityError", "BatchedPrepareFinalize", "LocalPrepareFinalize",
-           "PrepareFinalize"]
+__all__ = [
+    "AllToAllPrepareFinalize",
+    "BatchedCapacityError",
+    "BatchedPrepareFinalize",
+    "LocalPrepareFinalize",
+    "PrepareFinalize",
+]

@@ -66,11 +66,10 @@ if TYPE_CHECKING:
 def contiguous_expert_map(num_experts: int, rank: int, world_size: int, device=None) -> torch.Tensor:
     """int32 [num_experts]: global id -> local id on ``rank`` (contiguous partition), -1 elsewhere."""
     if num_experts % world_size:
-        raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel world size "
-                         f"{world_size}")
+        raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel world size {world_size}")
     n = num_experts // world_size
     m = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
-    m[rank * n:(rank + 1) * n] = torch.arange(n, dtype=torch.int32, device=device)
+    m[rank * n : (rank + 1) * n] = torch.arange(n, dtype=torch.int32, device=device)
     return m
 
 
@@ -86,13 +85,21 @@ class AllToAllPrepareFinalize(PrepareFinalize):
             which cannot overflow); an exceeded cap raises :class:`BatchedCapacityError` in eager mode.
     """
 
-    def __init__(self, transport: Transport, num_experts: int, max_tokens_per_rank: int, *,
-                 layout: Layout = Layout.STANDARD, max_tokens_per_expert: int | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        num_experts: int,
+        max_tokens_per_rank: int,
+        *,
+        layout: Layout = Layout.STANDARD,
+        max_tokens_per_expert: int | None = None,
+    ):
         self.transport = transport
         self.rank, self.world = int(transport.rank), int(transport.world_size)
         if num_experts % self.world:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel world size "
-                             f"{self.world}")
+            raise ValueError(
+                f"num_experts={num_experts} must be divisible by the expert-parallel world size {self.world}"
+            )
         if max_tokens_per_rank < 0:
             raise ValueError(f"max_tokens_per_rank must be >= 0, got {max_tokens_per_rank}")
         self.num_experts = num_experts
@@ -104,8 +111,10 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         self._max_count: dict[torch.device, torch.Tensor] = {}
 
     def __repr__(self) -> str:
-        return (f"AllToAllPrepareFinalize(rank={self.rank}, world={self.world}, layout={self.layout.value}, "
-                f"max_tokens_per_rank={self.max_tokens_per_rank})")
+        return (
+            f"AllToAllPrepareFinalize(rank={self.rank}, world={self.world}, layout={self.layout.value}, "
+            f"max_tokens_per_rank={self.max_tokens_per_rank})"
+        )
 
     # ---- static shapes --------------------------------------------------------------------------------------
     def recv_rows(self, p: MoEProblem) -> int:
@@ -125,8 +134,9 @@ class AllToAllPrepareFinalize(PrepareFinalize):
     def wire_fp8(self, p: MoEProblem) -> bool:
         """Do tokens travel as fp8 rows (+ scales)? Standard layout, with scales that are row-local or static."""
         q = p.quant
-        return (self.layout == Layout.STANDARD and q is not None
-                and (q.mode != "fp8_tensor" or q.static_activation_scale))
+        return (
+            self.layout == Layout.STANDARD and q is not None and (q.mode != "fp8_tensor" or q.static_activation_scale)
+        )
 
     def buffers(self, p: MoEProblem) -> list[BufferSpec]:
         S, H, W, R = p.slots, p.H, self.world, self.recv_rows(p)
@@ -169,8 +179,11 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         ]
         if self.layout == Layout.BATCHED:
             E, T = self.local_experts, self.tokens_per_expert()
-            specs += [*scatter_plan(R, H, E, T, dt), BufferSpec("b_y_batched", (E * T, H), dt, region="2"),
-                      *gather_plan("b_", R, H, dt)]
+            specs += [
+                *scatter_plan(R, H, E, T, dt),
+                BufferSpec("b_y_batched", (E * T, H), dt, region="2"),
+                *gather_plan("b_", R, H, dt),
+            ]
         elif p.quant is not None:
             q = p.quant
             specs.append(BufferSpec("ep_a1q", (R, H), FP8_DTYPE))
@@ -191,8 +204,19 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         if self.layout == Layout.BATCHED:
             return ("b_a_batched", "b_num_tokens", "b_y_batched")
         names = {b.name for b in self.buffers(p)}
-        return tuple(n for n in ("ep_recv_hidden", "ep_recv_ids", "ep_recv_w", "ep_recv_scale", "ep_a1q",
-                                 "ep_a1_scale", "ep_recv_out") if n in names)
+        return tuple(
+            n
+            for n in (
+                "ep_recv_hidden",
+                "ep_recv_ids",
+                "ep_recv_w",
+                "ep_recv_scale",
+                "ep_a1q",
+                "ep_a1_scale",
+                "ep_recv_out",
+            )
+            if n in names
+        )
 
     def expert_map(self, device: torch.device | str) -> torch.Tensor:
         """int32 [E]: global id -> local id on this rank, -1 elsewhere (cached per device)."""
@@ -220,8 +244,9 @@ def _ep_route(c, ep_keys, ep_bad, ep_sorted, ep_order, ep_offsets, ep_send_count
     if p.M > pf.max_tokens_per_rank:
         raise ValueError(f"rank {pf.rank} has {p.M} tokens but max_tokens_per_rank is {pf.max_tokens_per_rank}")
     if p.E != pf.local_experts or p.global_E != pf.num_experts:
-        raise ValueError(f"problem has {p.E} local / {p.global_E} global experts, expected "
-                         f"{pf.local_experts} / {pf.num_experts}")
+        raise ValueError(
+            f"problem has {p.E} local / {p.global_E} global experts, expected {pf.local_experts} / {pf.num_experts}"
+        )
     W = pf.world
     ep_keys.copy_(x.topk_ids.reshape(-1))
     torch.lt(ep_keys, 0, out=ep_bad)
@@ -233,8 +258,9 @@ def _ep_route(c, ep_keys, ep_bad, ep_sorted, ep_order, ep_offsets, ep_send_count
 
 
 @step
-def _ep_pack(c, ep_order, ep_send_rows, ep_send_hidden, ep_send_meta, ep_src_q=None, ep_src_scale=None,
-             ep_send_scale=None):
+def _ep_pack(
+    c, ep_order, ep_send_rows, ep_send_hidden, ep_send_meta, ep_src_q=None, ep_src_scale=None, ep_send_scale=None
+):
     """The send buffers in destination order: token rows (fp8 rows and their scales when they travel as fp8)
     and per-slot metadata (global id, routing weight as int32 bits)."""
     x, p = c.x, c.p
@@ -242,9 +268,14 @@ def _ep_pack(c, ep_order, ep_send_rows, ep_send_hidden, ep_send_meta, ep_src_q=N
     if ep_src_q is not None:  # quantize the M token rows once, then gather fp8 rows (as bytes) and their scales
         q = p.quant
         if p.M:
-            quantize_activation(x.hidden_states, q.mode, out=ep_src_q, scale_out=ep_src_scale,
-                                static_scale=x.a1_scale if q.static_activation_scale else None,
-                                group_k=q.block_shape[1])
+            quantize_activation(
+                x.hidden_states,
+                q.mode,
+                out=ep_src_q,
+                scale_out=ep_src_scale,
+                static_scale=x.a1_scale if q.static_activation_scale else None,
+                group_k=q.block_shape[1],
+            )
         torch.index_select(ep_src_q.view(torch.uint8), 0, ep_send_rows, out=ep_send_hidden.view(torch.uint8))
         if ep_send_scale is not None:
             torch.index_select(ep_src_scale, 0, ep_send_rows, out=ep_send_scale)
@@ -256,16 +287,28 @@ def _ep_pack(c, ep_order, ep_send_rows, ep_send_hidden, ep_send_meta, ep_src_q=N
 
 
 @step
-def _ep_dispatch(c, ep_send_counts, ep_send_hidden, ep_send_meta, ep_recv_hidden, ep_recv_meta, ep_recv_ids,
-                 ep_recv_w, ep_send_scale=None, ep_recv_scale=None):
+def _ep_dispatch(
+    c,
+    ep_send_counts,
+    ep_send_hidden,
+    ep_send_meta,
+    ep_recv_hidden,
+    ep_recv_meta,
+    ep_recv_ids,
+    ep_recv_w,
+    ep_send_scale=None,
+    ep_recv_scale=None,
+):
     """Exchange counts (the host sync of this path), then rows, metadata and scales; unpack the metadata."""
     pf = c.component
     send_list, recv_list = pf.transport.exchange_counts(ep_send_counts)
     n_send, n_recv = sum(send_list), sum(recv_list)
     R_max = ep_recv_ids.shape[0]
     if n_recv > R_max:
-        raise ValueError(f"rank {pf.rank} received {n_recv} rows, more than the static bound {R_max}: "
-                         f"some rank has more than max_tokens_per_rank={pf.max_tokens_per_rank} tokens")
+        raise ValueError(
+            f"rank {pf.rank} received {n_recv} rows, more than the static bound {R_max}: "
+            f"some rank has more than max_tokens_per_rank={pf.max_tokens_per_rank} tokens"
+        )
     a2a = pf.transport.all_to_all
     a2a(ep_recv_hidden[:n_recv], ep_send_hidden[:n_send], send_list, recv_list)
     a2a(ep_recv_meta[:n_recv], ep_send_meta[:n_send], send_list, recv_list)
@@ -278,13 +321,22 @@ def _ep_dispatch(c, ep_send_counts, ep_send_hidden, ep_send_meta, ep_recv_hidden
 
 
 def _common(x: ExpertsInputs) -> dict:
-    return dict(w1=x.w1, w2=x.w2, w1_scale=x.w1_scale, w2_scale=x.w2_scale, a1_scale=x.a1_scale,
-                a2_scale=x.a2_scale, w1_bias=x.w1_bias, w2_bias=x.w2_bias)
+    return dict(
+        w1=x.w1,
+        w2=x.w2,
+        w1_scale=x.w1_scale,
+        w2_scale=x.w2_scale,
+        a1_scale=x.a1_scale,
+        a2_scale=x.a2_scale,
+        w1_bias=x.w1_bias,
+        w2_bias=x.w2_bias,
+    )
 
 
 @step
-def _ep_inputs(c, ep_recv_hidden, ep_recv_ids, ep_recv_w, ep_recv_scale=None, ep_a1q=None, ep_a1_scale=None,
-               ep_a1_partial=None):
+def _ep_inputs(
+    c, ep_recv_hidden, ep_recv_ids, ep_recv_w, ep_recv_scale=None, ep_a1q=None, ep_a1_scale=None, ep_a1_partial=None
+):
     """Standard layout: the received rows (fp8 rows arrive with their scales; a dynamic per-tensor scale is
     taken here over the received rows only) as a problem of top-k 1 with this rank's expert_map."""
     x, p, pf = c.x, c.p, c.component
@@ -303,32 +355,87 @@ def _ep_inputs(c, ep_recv_hidden, ep_recv_ids, ep_recv_w, ep_recv_scale=None, ep
             scale_out = None if q.static_activation_scale else ep_a1_scale
             if scale_out is not None and scale_out.dim() == 2:
                 scale_out = scale_out[:n_recv]
-            quantize_activation(ep_recv_hidden[:n_recv], q.mode, out=ep_a1q[:n_recv], scale_out=scale_out,
-                                static_scale=x.a1_scale if q.static_activation_scale else None,
-                                partial=ep_a1_partial, group_k=q.block_shape[1])
+            quantize_activation(
+                ep_recv_hidden[:n_recv],
+                q.mode,
+                out=ep_a1q[:n_recv],
+                scale_out=scale_out,
+                static_scale=x.a1_scale if q.static_activation_scale else None,
+                partial=ep_a1_partial,
+                group_k=q.block_shape[1],
+            )
     emap = x.expert_map if x.expert_map is not None else pf.expert_map(ep_recv_hidden.device)
-    c.prepared = ExpertsInputs(hidden_states=hidden, topk_weights=ep_recv_w, topk_ids=ep_recv_ids, expert_map=emap,
-                               **{**_common(x), "a1_scale": a1_scale})
+    c.prepared = ExpertsInputs(
+        hidden_states=hidden,
+        topk_weights=ep_recv_w,
+        topk_ids=ep_recv_ids,
+        expert_map=emap,
+        **{**_common(x), "a1_scale": a1_scale},
+    )
 
 
 @step
-def _ep_scatter(c, ep_recv_hidden, ep_recv_ids, ep_recv_w, b_keys, b_sorted_keys, b_order, b_offsets, b_counts,
-                b_rank, b_dest, b_ok, b_bad, b_a_sorted, b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched):
+def _ep_scatter(
+    c,
+    ep_recv_hidden,
+    ep_recv_ids,
+    ep_recv_w,
+    b_keys,
+    b_sorted_keys,
+    b_order,
+    b_offsets,
+    b_counts,
+    b_rank,
+    b_dest,
+    b_ok,
+    b_bad,
+    b_a_sorted,
+    b_w_sorted,
+    b_slot_dest,
+    b_num_tokens,
+    b_a_batched,
+):
     """Batched layout: the received rows scattered into [E_local, T, H] as by BatchedPrepareFinalize."""
     x, p, pf = c.x, c.p, c.component
     T = pf.tokens_per_expert()
     mc = pf.max_count(ep_recv_hidden.device)
     emap = x.expert_map if x.expert_map is not None else pf.expert_map(ep_recv_hidden.device)
-    bufs = ScatterBuffers(b_keys, b_sorted_keys, b_order, b_offsets, b_counts, b_rank, b_dest, b_ok, b_bad,
-                          b_a_sorted, b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched)
+    bufs = ScatterBuffers(
+        b_keys,
+        b_sorted_keys,
+        b_order,
+        b_offsets,
+        b_counts,
+        b_rank,
+        b_dest,
+        b_ok,
+        b_bad,
+        b_a_sorted,
+        b_w_sorted,
+        b_slot_dest,
+        b_num_tokens,
+        b_a_batched,
+    )
     a, num_tokens = scatter_batched(
-        bufs, ep_recv_hidden, ep_recv_ids, ep_recv_w, E=pf.local_experts, global_E=pf.num_experts, T=T, top_k=1,
-        expert_map=emap, weight_on_input=p.apply_router_weight_on_input, max_count_out=mc)
+        bufs,
+        ep_recv_hidden,
+        ep_recv_ids,
+        ep_recv_w,
+        E=pf.local_experts,
+        global_E=pf.num_experts,
+        T=T,
+        top_k=1,
+        expert_map=emap,
+        weight_on_input=p.apply_router_weight_on_input,
+        max_count_out=mc,
+    )
     if pf.max_tokens_per_expert is not None and not _capturing(mc) and int(mc.item()) > T:
         raise BatchedCapacityError(
-            f"rank {pf.rank}: an expert received {int(mc.item())} rows but max_tokens_per_expert is {T}")
-    c.prepared = ExpertsInputs(hidden_states=a, topk_weights=None, topk_ids=None, expert_map=None,
-                               expert_num_tokens=num_tokens, **_common(x))
+            f"rank {pf.rank}: an expert received {int(mc.item())} rows but max_tokens_per_expert is {T}"
+        )
+    c.prepared = ExpertsInputs(
+        hidden_states=a, topk_weights=None, topk_ids=None, expert_map=None, expert_num_tokens=num_tokens, **_common(x)
+    )
 
 
 # ---- combine ----------------------------------------------------------------------------------------------------
@@ -337,15 +444,16 @@ def _ep_gather_batched(c, ep_recv_w, ep_recv_out, b_y_batched, b_slot_dest, b_g_
     """Batched layout: the per-row results (weighted unless applied on input) back in received-row order."""
     n_recv = c.state["n_recv"]
     w = None if c.p.apply_router_weight_on_input else ep_recv_w[:n_recv]
-    gather_batched(GatherBuffers(b_g_index, b_g_invalid, b_g_rows), b_y_batched, b_slot_dest[:n_recv], w,
-                   ep_recv_out[:n_recv], 1)
+    gather_batched(
+        GatherBuffers(b_g_index, b_g_invalid, b_g_rows), b_y_batched, b_slot_dest[:n_recv], w, ep_recv_out[:n_recv], 1
+    )
 
 
 @step
 def _ep_combine(c, ep_recv_out, ep_back, ep_keys, ep_order, ep_slot_pos, ep_g_index, ep_g_invalid, ep_g_rows):
     """Result rows back to their source ranks, then each slot's row summed over top-k into the output."""
     s, pf, p = c.state, c.component, c.p
-    pf.transport.all_to_all(ep_back[:s["n_send"]], ep_recv_out[:s["n_recv"]], s["recv_list"], s["send_list"])
+    pf.transport.all_to_all(ep_back[: s["n_send"]], ep_recv_out[: s["n_recv"]], s["recv_list"], s["send_list"])
     ep_slot_pos.index_copy_(0, ep_order, _arange(p.slots, c.out.device))  # slot -> its row in the send order
     ep_slot_pos.masked_fill_(ep_keys >= pf.world, -1)  # slots that went nowhere
     gather_batched(GatherBuffers(ep_g_index, ep_g_invalid, ep_g_rows), ep_back, ep_slot_pos, None, c.out, p.top_k)

@@ -90,10 +90,22 @@ class GatherBuffers(NamedTuple):
 def scatter_plan(S: int, H: int, E: int, T: int, dtype: torch.dtype) -> list[BufferSpec]:
     """Buffers ``b_*`` of :func:`scatter_batched` for S slots into E experts of T rows of width H."""
     i64, i32, b = torch.int64, torch.int32, torch.bool
-    shapes = dict(keys=((S,), i64), sorted_keys=((S,), i64), order=((S,), i64), offsets=((E + 1,), i64),
-                  counts=((E,), i64), rank=((S,), i64), dest=((S,), i64), ok=((S,), b), bad=((S,), b),
-                  a_sorted=((S, H), dtype), w_sorted=((S,), torch.float32), slot_dest=((S,), i64),
-                  num_tokens=((E,), i32), a_batched=((E * T + 1, H), dtype))
+    shapes = dict(
+        keys=((S,), i64),
+        sorted_keys=((S,), i64),
+        order=((S,), i64),
+        offsets=((E + 1,), i64),
+        counts=((E,), i64),
+        rank=((S,), i64),
+        dest=((S,), i64),
+        ok=((S,), b),
+        bad=((S,), b),
+        a_sorted=((S, H), dtype),
+        w_sorted=((S,), torch.float32),
+        slot_dest=((S,), i64),
+        num_tokens=((E,), i32),
+        a_batched=((E * T + 1, H), dtype),
+    )
     return [BufferSpec("b_" + f, *shapes[f]) for f in ScatterBuffers._fields]
 
 
@@ -210,7 +222,8 @@ class BatchedPrepareFinalize(PrepareFinalize):
 
     def __init__(self, max_tokens_per_expert: int | None = None, *, check_capacity: bool | None = None):
         if max_tokens_per_expert is not None and (
-            isinstance(max_tokens_per_expert, bool) or not isinstance(max_tokens_per_expert, int)
+            isinstance(max_tokens_per_expert, bool)
+            or not isinstance(max_tokens_per_expert, int)
             or max_tokens_per_expert < 1
         ):
             raise ValueError(f"max_tokens_per_expert must be an int >= 1 or None, got {max_tokens_per_expert!r}")
@@ -258,27 +271,78 @@ class BatchedPrepareFinalize(PrepareFinalize):
 
 
 @step
-def _scatter(c, b_keys, b_sorted_keys, b_order, b_offsets, b_counts, b_rank, b_dest, b_ok, b_bad, b_a_sorted,
-             b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched):
+def _scatter(
+    c,
+    b_keys,
+    b_sorted_keys,
+    b_order,
+    b_offsets,
+    b_counts,
+    b_rank,
+    b_dest,
+    b_ok,
+    b_bad,
+    b_a_sorted,
+    b_w_sorted,
+    b_slot_dest,
+    b_num_tokens,
+    b_a_batched,
+):
     x, p, pf = c.x, c.p, c.component
     T = pf.tokens_per_expert(p.M)
     ids = x.topk_ids if x.topk_ids.is_contiguous() else x.topk_ids.contiguous()
     mc = pf.max_count(x.hidden_states.device)
-    bufs = ScatterBuffers(b_keys, b_sorted_keys, b_order, b_offsets, b_counts, b_rank, b_dest, b_ok, b_bad,
-                          b_a_sorted, b_w_sorted, b_slot_dest, b_num_tokens, b_a_batched)
+    bufs = ScatterBuffers(
+        b_keys,
+        b_sorted_keys,
+        b_order,
+        b_offsets,
+        b_counts,
+        b_rank,
+        b_dest,
+        b_ok,
+        b_bad,
+        b_a_sorted,
+        b_w_sorted,
+        b_slot_dest,
+        b_num_tokens,
+        b_a_batched,
+    )
     a, num_tokens = scatter_batched(
-        bufs, x.hidden_states, ids, x.topk_weights, E=p.E, global_E=p.global_E, T=T, top_k=p.top_k,
-        expert_map=x.expert_map, weight_on_input=p.apply_router_weight_on_input, max_count_out=mc)
+        bufs,
+        x.hidden_states,
+        ids,
+        x.topk_weights,
+        E=p.E,
+        global_E=p.global_E,
+        T=T,
+        top_k=p.top_k,
+        expert_map=x.expert_map,
+        weight_on_input=p.apply_router_weight_on_input,
+        max_count_out=mc,
+    )
     if pf.check_capacity and not _capturing(mc):
         worst = int(mc.item())  # the one host sync, only with check_capacity
         if worst > T:
             raise BatchedCapacityError(
                 f"an expert received {worst} tokens but max_tokens_per_expert is {T}: raise the cap (or "
-                f"pass max_tokens_per_expert=None for the static bound M={p.M}); the excess was dropped")
+                f"pass max_tokens_per_expert=None for the static bound M={p.M}); the excess was dropped"
+            )
     c.prepared = ExpertsInputs(
-        hidden_states=a, w1=x.w1, w2=x.w2, topk_weights=None, topk_ids=None, expert_map=None,
-        expert_num_tokens=num_tokens, w1_scale=x.w1_scale, w2_scale=x.w2_scale, a1_scale=x.a1_scale,
-        a2_scale=x.a2_scale, w1_bias=x.w1_bias, w2_bias=x.w2_bias)
+        hidden_states=a,
+        w1=x.w1,
+        w2=x.w2,
+        topk_weights=None,
+        topk_ids=None,
+        expert_map=None,
+        expert_num_tokens=num_tokens,
+        w1_scale=x.w1_scale,
+        w2_scale=x.w2_scale,
+        a1_scale=x.a1_scale,
+        a2_scale=x.a2_scale,
+        w1_bias=x.w1_bias,
+        w2_bias=x.w2_bias,
+    )
 
 
 @step
@@ -292,5 +356,13 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-__all__ = ["BatchedCapacityError", "BatchedPrepareFinalize", "GatherBuffers", "ScatterBuffers", "gather_batched",
-           "gather_plan", "scatter_batched", "scatter_plan"]
+__all__ = [
+    "BatchedCapacityError",
+    "BatchedPrepareFinalize",
+    "GatherBuffers",
+    "ScatterBuffers",
+    "gather_batched",
+    "gather_plan",
+    "scatter_batched",
+    "scatter_plan",
+]

@@ -89,13 +89,19 @@ def _bench_strategies_cpu(args: argparse.Namespace) -> int:
     )
     report.print_table("workspace strategies (per layer call)", strategies.COLUMNS, strategies.table_rows(results))
     paths = call_path.measure("cpu")
-    report.print_table("call path host cost (M=1, E=8, k=2, H=64, I=32, float32)", call_path.COLUMNS,
-                       call_path.table_rows(paths))
+    report.print_table(
+        "call path host cost (M=1, E=8, k=2, H=64, I=32, float32)", call_path.COLUMNS, call_path.table_rows(paths)
+    )
     if args.json:
         report.save_json(
             args.json,
-            {"env": report.environment(), "shape": shape.__dict__, "tokens": tokens, "strategies": results,
-             "call_path": paths},
+            {
+                "env": report.environment(),
+                "shape": shape.__dict__,
+                "tokens": tokens,
+                "strategies": results,
+                "call_path": paths,
+            },
         )
         print(f"wrote {args.json}")
     return 0
@@ -114,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (GPU: kernel sweep; CPU: workspace strategies)")
     bench.add_argument(
-        "mode", nargs="?", default="kernel", choices=("kernel", "decode", "host", "model"),
+        "mode",
+        nargs="?",
+        default="kernel",
+        choices=("kernel", "decode", "host", "model"),
         help="kernel: one layer call per backend over a token sweep; decode: an L-layer stack per strategy; "
         "host: host time per call and its stages; model: a transformers model per experts implementation",
     )
@@ -133,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--profile", action="store_true", help="GPU: per-kernel device time (torch profiler)")
     bench.add_argument("--route", action="store_true", help="GPU: time route() alone (torch vs kernel shapes)")
     bench.add_argument("--align", action="store_true", help="GPU: time the alignment op alone")
-    bench.add_argument("--configs-before", default=None,
-                       help="folder of config tables for the 'triton_before' backend (before/after a re-tune)")
+    bench.add_argument(
+        "--configs-before",
+        default=None,
+        help="folder of config tables for the 'triton_before' backend (before/after a re-tune)",
+    )
     bench.add_argument("--tiny", action="store_true", help="model: a 2-layer, small-dimension model (CPU checks)")
     bench.add_argument("--impls", default=None, help="model: comma-separated experts implementations")
     bench.add_argument("--modes", default=None, help="model: eager,compiled (default both)")

@@ -51,7 +51,7 @@ def _generate(model, ids: torch.Tensor, tokens: int) -> tuple[torch.Tensor, floa
         out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     if ids.is_cuda:
         torch.cuda.synchronize()
-    return out[:, ids.shape[1]:], time.perf_counter() - t0
+    return out[:, ids.shape[1] :], time.perf_counter() - t0
 
 
 def run(path: str | None = None, tokens: int = 32, prompt_len: int = 16, batch: int = 1, seed: int = 0) -> int:
@@ -65,8 +65,10 @@ def run(path: str | None = None, tokens: int = 32, prompt_len: int = 16, batch: 
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    print(f"model    {path or 'random Qwen3-MoE'}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-          f"{getattr(cfg, 'num_experts', '?')} experts, top-{cfg.num_experts_per_tok}, {dtype}, {device}")
+    print(
+        f"model    {path or 'random Qwen3-MoE'}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{getattr(cfg, 'num_experts', '?')} experts, top-{cfg.num_experts_per_tok}, {dtype}, {device}"
+    )
     print(f"backend  {resolve_backend('auto', device)}")
 
     _generate(model, ids, 2)  # warm-up
@@ -80,14 +82,18 @@ def run(path: str | None = None, tokens: int = 32, prompt_len: int = 16, batch: 
     n = ref.numel()
     same = torch.equal(ref, out)
     impl = getattr(cfg, "_experts_implementation", None)
-    print(f"original {n / t_ref:9.1f} tokens/s  ({t_ref:.2f} s for {tokens} tokens x {batch}; transformers "
-          f"experts_implementation={impl!r})")
+    print(
+        f"original {n / t_ref:9.1f} tokens/s  ({t_ref:.2f} s for {tokens} tokens x {batch}; transformers "
+        f"experts_implementation={impl!r})"
+    )
     print(f"fusedmoe {n / t_fused:9.1f} tokens/s  ({t_fused:.2f} s)")
     print(f"tokens   {'identical' if same else 'DIFFER'}: {out[0, :16].tolist()}{' ...' if tokens > 16 else ''}")
     s = manager.stats
-    print(f"workspace {manager.strategy}: reserved {s.reserved_bytes} B, peak plan {s.peak_bytes} B, "
-          f"allocations {s.device_allocations}, growths {s.growths}, bytes zeroed {s.bytes_zeroed}, "
-          f"layer calls {s.calls}")
+    print(
+        f"workspace {manager.strategy}: reserved {s.reserved_bytes} B, peak plan {s.peak_bytes} B, "
+        f"allocations {s.device_allocations}, growths {s.growths}, bytes zeroed {s.bytes_zeroed}, "
+        f"layer calls {s.calls}"
+    )
     if not same:
         first = int((ref != out).nonzero()[0, 1]) if ref.shape == out.shape else 0
         print(f"first differing position: {first} (bf16 rounding can flip near-ties on a GPU)")

@@ -34,15 +34,29 @@ DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block")
 # (block_n, block_k, group_m, num_warps, num_stages) per BLOCK_M; GEMM1 tiles cover gate and up (two
 # accumulators), so they are half as wide as GEMM2's for the same registers.
 _GEMM1 = {
-    16: [(32, 128, 1, 4, 4), (64, 128, 1, 4, 3), (16, 128, 1, 4, 4), (64, 64, 1, 4, 5), (32, 256, 1, 4, 3),
-         (16, 256, 1, 4, 3), (128, 128, 1, 8, 3)],
+    16: [
+        (32, 128, 1, 4, 4),
+        (64, 128, 1, 4, 3),
+        (16, 128, 1, 4, 4),
+        (64, 64, 1, 4, 5),
+        (32, 256, 1, 4, 3),
+        (16, 256, 1, 4, 3),
+        (128, 128, 1, 8, 3),
+    ],
     32: [(64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (64, 64, 8, 4, 4), (32, 128, 8, 4, 4)],
     64: [(64, 64, 8, 4, 4), (128, 64, 8, 8, 3), (64, 128, 8, 4, 3), (128, 128, 8, 8, 2)],
     128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 2)],
 }
 _GEMM2 = {
-    16: [(64, 128, 1, 4, 4), (128, 128, 1, 4, 3), (32, 128, 1, 4, 4), (64, 256, 1, 4, 3), (128, 64, 1, 4, 4),
-         (32, 256, 1, 4, 3), (256, 128, 1, 8, 2)],
+    16: [
+        (64, 128, 1, 4, 4),
+        (128, 128, 1, 4, 3),
+        (32, 128, 1, 4, 4),
+        (64, 256, 1, 4, 3),
+        (128, 64, 1, 4, 4),
+        (32, 256, 1, 4, 3),
+        (256, 128, 1, 8, 2),
+    ],
     32: [(128, 128, 8, 4, 3), (256, 128, 8, 8, 2), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4)],
     64: [(128, 64, 8, 4, 4), (256, 64, 8, 8, 3), (128, 128, 8, 4, 3), (64, 64, 8, 4, 4)],
     128: [(256, 64, 16, 8, 4), (256, 64, 16, 8, 3), (128, 64, 16, 8, 4), (128, 128, 16, 8, 3), (256, 128, 16, 8, 3)],
@@ -143,8 +157,10 @@ def tune_m(
         failures.extend(lost)
         if not scored:
             reasons = Counter(f.reason for f in lost)
-            raise TuneError(f"M={M}: all {len(lost)} {gemm} candidates with BLOCK_M={bm} failed: "
-                            + "; ".join(f"{n}x {r}" for r, n in reasons.most_common()))
+            raise TuneError(
+                f"M={M}: all {len(lost)} {gemm} candidates with BLOCK_M={bm} failed: "
+                + "; ".join(f"{n}x {r}" for r, n in reasons.most_common())
+            )
         return min(scored, key=lambda s: s[0])
 
     best = None
@@ -169,8 +185,9 @@ def describe_failures(failures: list[Failure]) -> str:
 # ---- the GPU side ---------------------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="fusedmoe tune", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", required=True,
-                    help="model preset(s), comma-separated, or 'all' (the presets whose tables we ship)")
+    ap.add_argument(
+        "--preset", required=True, help="model preset(s), comma-separated, or 'all' (the presets whose tables we ship)"
+    )
     ap.add_argument("--dtype", default="bf16", help=f"comma-separated of {DTYPES}, or 'all'")
     ap.add_argument("--out", default=None, help="output folder (default: the packaged fusedmoe/configs)")
     ap.add_argument("--m", default=",".join(map(str, DEFAULT_M)), help="comma-separated token counts")
@@ -263,8 +280,11 @@ class _Data:
         for _ in range(n):
             ids = torch.rand(M, t.E, device=dev, generator=self.gen).argsort(dim=1)[:, : t.k].to(torch.int32)
             w = torch.rand(M, t.k, device=dev, generator=self.gen)
-            out.append(lambda w=w, ids=ids: fused_moe(x, self.w1, self.w2, w, ids, workspace=manager,
-                                                       backend="triton", **self.extra))
+            out.append(
+                lambda w=w, ids=ids: fused_moe(
+                    x, self.w1, self.w2, w, ids, workspace=manager, backend="triton", **self.extra
+                )
+            )
         return out
 
 
@@ -318,7 +338,7 @@ def compile_chunks(targets: list[Target], ms, quick: bool, seed: int, fits, jobs
     for small, items in per_target:
         n = max(1, -(-len(items) * 2 * jobs // total))
         per = max(1, -(-len(items) // n))
-        chunks += [(small, seed, items[i:i + per]) for i in range(0, len(items), per)]
+        chunks += [(small, seed, items[i : i + per]) for i in range(0, len(items), per)]
     return chunks
 
 
@@ -331,8 +351,11 @@ def _precompile(jobs: int, chunks: list[tuple]) -> None:
     with mp.get_context("spawn").Pool(jobs) as pool:
         for d, e in pool.imap_unordered(_compile_worker, chunks):
             done, errs = done + d, errs + len(e)
-    print(f"precompiled {done} configs in {time.time() - t0:.0f}s with {jobs} processes ({errs} did not run; "
-          "the search reports them)", flush=True)
+    print(
+        f"precompiled {done} configs in {time.time() - t0:.0f}s with {jobs} processes ({errs} did not run; "
+        "the search reports them)",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,9 +427,16 @@ def main(argv: list[str] | None = None) -> int:
                     with pinned_config(cfg):
                         return graph_time_us(calls, warmup_replays=2, replays=replays)
 
-                best_t, cfg = tune_m(M, bms, c1.__getitem__, c2.__getitem__,
-                                     lambda bm, base=base: replace(base.gemm2, block_m=bm), time_config,
-                                     lambda g, gemm, t=t: fits(t, g, gemm), failures)
+                best_t, cfg = tune_m(
+                    M,
+                    bms,
+                    c1.__getitem__,
+                    c2.__getitem__,
+                    lambda bm, base=base: replace(base.gemm2, block_m=bm),
+                    time_config,
+                    lambda g, gemm, t=t: fits(t, g, gemm),
+                    failures,
+                )
                 table[M] = cfg
                 print(f"M={M:>6}: {best_t:9.1f} us  {cfg.to_dict()}  ({time.time() - t_start:.0f}s)", flush=True)
         except TuneError as e:
@@ -414,8 +444,10 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
             continue
         path = out_dir / config_file_name(t.E, t.I, device_name(), mode, t.block_shape)
-        source = (f"fusedmoe tune --preset {t.preset} --dtype {t.dtype} on {torch.cuda.get_device_name()} (whole "
-                  f"fused call, CUDA graph); {describe_failures(failures)}")
+        source = (
+            f"fusedmoe tune --preset {t.preset} --dtype {t.dtype} on {torch.cuda.get_device_name()} (whole "
+            f"fused call, CUDA graph); {describe_failures(failures)}"
+        )
         path.write_text(table_to_json(table, source, failures=[vars(f) for f in failures]))
         print(f"wrote {path} ({describe_failures(failures)}, {time.time() - t_start:.0f}s)", flush=True)
         del data

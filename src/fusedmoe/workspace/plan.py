@@ -137,8 +137,13 @@ def check_layout(placements: dict[str, Placement], total: int) -> None:
         if p.offset % ALIGNMENT or p.offset < 0 or align_up(p.end) > total:
             raise PlanError(f"buffer {p.spec.name!r} at {p.offset} +{p.spec.nbytes} is misplaced in {total} B")
     for a, b in itertools.combinations(placements.values(), 2):
-        if (a.spec.nbytes and b.spec.nbytes and a.spec.overlaps_in_time(b.spec)
-                and a.offset < b.end and b.offset < a.end):
+        if (
+            a.spec.nbytes
+            and b.spec.nbytes
+            and a.spec.overlaps_in_time(b.spec)
+            and a.offset < b.end
+            and b.offset < a.end
+        ):
             raise PlanError(
                 f"buffers {a.spec.name!r} (steps {a.spec.first}..{a.spec.last}) and {b.spec.name!r} (steps "
                 f"{b.spec.first}..{b.spec.last}) are live together but share bytes"
@@ -192,10 +197,10 @@ class WorkspacePlan:
         for b in self.buffers:
             p = self.placements[b.name]
             z = f" zero: {b.zero}" if b.zero else ""
-            live = (f"{self.steps[b.first]}..{self.steps[b.last]}" if len(self.steps) > b.last
-                    else f"{b.first}..{b.last}")
+            live = (
+                f"{self.steps[b.first]}..{self.steps[b.last]}" if len(self.steps) > b.last else f"{b.first}..{b.last}"
+            )
             rows.append(
-                f"  {b.name:<14} {str(tuple(b.shape)):<20} {str(b.dtype):<22} "
-                f"[{live}] @ {p.offset} +{b.nbytes}{z}"
+                f"  {b.name:<14} {str(tuple(b.shape)):<20} {str(b.dtype):<22} [{live}] @ {p.offset} +{b.nbytes}{z}"
             )
         return "\n".join(rows)

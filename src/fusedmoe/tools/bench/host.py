@@ -86,9 +86,16 @@ def _without_replay(fn: Callable[[], object]) -> Callable[[], object]:
 CPU_SHAPE = Preset("cpu-small", 16, 4, 256, 128, 1)
 
 
-def measure(device: torch.device, *, preset: str | Preset = "qwen3-30b-a3b", tokens=(1, 8, 64),
-            dtype=torch.bfloat16, backends=("triton",), calls: int = 200,
-            ep: bool = True) -> list[dict]:
+def measure(
+    device: torch.device,
+    *,
+    preset: str | Preset = "qwen3-30b-a3b",
+    tokens=(1, 8, 64),
+    dtype=torch.bfloat16,
+    backends=("triton",),
+    calls: int = 200,
+    ep: bool = True,
+) -> list[dict]:
     """Every row of the host table (see the module docstring) as dicts."""
     pr = preset if isinstance(preset, Preset) else get_preset(preset)
     rows: list[dict] = []
@@ -99,8 +106,17 @@ def measure(device: torch.device, *, preset: str | Preset = "qwen3-30b-a3b", tok
     manager = WorkspaceManager(device)
     for backend in backends:
         torch.manual_seed(0)
-        layer = FusedMoE(pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size, dtype=dtype,
-                         device=device, workspace=manager, backend=backend, **pr.routing)
+        layer = FusedMoE(
+            pr.num_experts,
+            pr.top_k,
+            pr.hidden_size,
+            pr.intermediate_size,
+            dtype=dtype,
+            device=device,
+            workspace=manager,
+            backend=backend,
+            **pr.routing,
+        )
         for M in tokens:
             x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
             with torch.inference_mode():
@@ -126,14 +142,31 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
     call = lambda: fused_moe(*args, workspace=layer.workspace, backend=backend)  # noqa: E731
     row("fused_moe", backend, M, h(call), device_us(call, device))
     row("fused_moe (generic launches)", backend, M, h(_without_replay(call)))
-    row("fused_moe_op (registered op)", backend, M,
-        h(lambda: fused_moe_op(*args, workspace=layer.workspace, backend=backend)))
+    row(
+        "fused_moe_op (registered op)",
+        backend,
+        M,
+        h(lambda: fused_moe_op(*args, workspace=layer.workspace, backend=backend)),
+    )
 
     # stages, each alone on the same inputs
     stage = lambda name, fn, note="": row(f"  {name}", backend, M, h(fn), None, note)  # noqa: E731
-    stage("checked validation", lambda: check_fused_moe_args(
-        *args, activation="silu", apply_router_weight_on_input=False, expert_map=None, global_num_experts=None,
-        quant=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None), "per call without a verdict")
+    stage(
+        "checked validation",
+        lambda: check_fused_moe_args(
+            *args,
+            activation="silu",
+            apply_router_weight_on_input=False,
+            expert_map=None,
+            global_num_experts=None,
+            quant=None,
+            w1_scale=None,
+            w2_scale=None,
+            a1_scale=None,
+            a2_scale=None,
+        ),
+        "per call without a verdict",
+    )
     key, sig = layer._key(x, None)
     stage("verdict lookup", lambda: layer._verdicts.get(layer._key(x, None)[0]), "input signature + dict")
     stage("router linear", lambda: F.linear(x, layer.gate, layer.gate_bias))
@@ -164,14 +197,22 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
 
 
 def _batched_rows(row, pr, device, dtype, tokens, calls) -> None:
-    layer = FusedMoE(pr.num_experts, pr.top_k, pr.hidden_size, pr.intermediate_size, dtype=dtype, device=device,
-                     backend="triton", layout="batched", max_tokens_per_expert=max(tokens) * pr.top_k,
-                     **pr.routing)
+    layer = FusedMoE(
+        pr.num_experts,
+        pr.top_k,
+        pr.hidden_size,
+        pr.intermediate_size,
+        dtype=dtype,
+        device=device,
+        backend="triton",
+        layout="batched",
+        max_tokens_per_expert=max(tokens) * pr.top_k,
+        **pr.routing,
+    )
     for M in tokens:
         x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
         fn = lambda x=x: layer(x)  # noqa: E731
-        row("FusedMoE.forward (batched layout)", "triton", M, host_us(fn, device, calls=calls),
-            device_us(fn, device))
+        row("FusedMoE.forward (batched layout)", "triton", M, host_us(fn, device, calls=calls), device_us(fn, device))
 
 
 def _ep_rows(row, calls) -> None:
@@ -186,16 +227,27 @@ def _ep_rows(row, calls) -> None:
         owned = True
     try:
         cpu = torch.device("cpu")
-        layer = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch",
-                         ep_group=dist.group.WORLD)
+        layer = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch", ep_group=dist.group.WORLD)
         local = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch")
         for M in (1, 8, 64):
             x = torch.randn(M, 256)
             with torch.inference_mode():
-                row("FusedMoE.forward (EP, gloo, 1 rank)", "torch", M,
-                    host_us(lambda x=x: layer(x), cpu, calls=calls), None, "CPU, E=16 k=4 H=256 I=128")
-                row("FusedMoE.forward (no EP, same shape)", "torch", M,
-                    host_us(lambda x=x: local(x), cpu, calls=calls), None, "CPU")
+                row(
+                    "FusedMoE.forward (EP, gloo, 1 rank)",
+                    "torch",
+                    M,
+                    host_us(lambda x=x: layer(x), cpu, calls=calls),
+                    None,
+                    "CPU, E=16 k=4 H=256 I=128",
+                )
+                row(
+                    "FusedMoE.forward (no EP, same shape)",
+                    "torch",
+                    M,
+                    host_us(lambda x=x: local(x), cpu, calls=calls),
+                    None,
+                    "CPU",
+                )
     finally:
         if owned:
             dist.destroy_process_group()

@@ -128,8 +128,9 @@ def main(args: argparse.Namespace) -> int:
             )
             continue
         for backend in backends:
-            fn = _make_call(backend, shape, x, w1, w2, quantized, expert_map, manager,
-                            getattr(args, "configs_before", None))
+            fn = _make_call(
+                backend, shape, x, w1, w2, quantized, expert_map, manager, getattr(args, "configs_before", None)
+            )
             if fn is None:
                 continue
             calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
@@ -250,8 +251,12 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
             return None
         # triton_op: the same call through the registered op (what torch.compile sees), for its host cost
         run = fused_moe_op if backend == "triton_op" else fused_moe
-        kw = dict(expert_map=expert_map, global_num_experts=shape.num_experts, workspace=manager,
-                  backend="triton" if backend == "triton_op" else backend)
+        kw = dict(
+            expert_map=expert_map,
+            global_num_experts=shape.num_experts,
+            workspace=manager,
+            backend="triton" if backend == "triton_op" else backend,
+        )
         if quantized and backend != "torch":
             kw.update({k_: v for k_, v in quantized.items() if k_ not in ("w1", "w2")})
             ww1, ww2 = quantized["w1"], quantized["w2"]

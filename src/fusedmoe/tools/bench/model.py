@@ -26,30 +26,106 @@ from . import report
 
 #: Published configs of the presets (Hugging Face config.json of each model), as transformers kwargs.
 MODELS: dict[str, tuple[str, dict]] = {
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
-    "mixtral-8x7b": ("MixtralConfig", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)),
-    "deepseek-v2-lite": ("DeepseekV2Config", dict(
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
-        n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", norm_topk_prob=False,
-        routed_scaling_factor=1.0, n_group=1, topk_group=1)),
-    "olmoe": ("OlmoeConfig", dict(
-        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
-    "gpt-oss-20b": ("GptOssConfig", dict(
-        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4)),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "deepseek-v2-lite": (
+        "DeepseekV2Config",
+        dict(
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_shared_experts=2,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(
+            vocab_size=50304,
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=64,
+            num_experts_per_tok=8,
+        ),
+    ),
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+        ),
+    ),
 }
 
-TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, kv_lora_rank=16,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
 
 FUSED = ("fusedmoe", "fusedmoe-patch")
 COLUMNS = ["impl", "mode", "batch", "prefill ms", "decode ms/token", "vs best transformers", "token agreement"]
@@ -145,20 +221,45 @@ def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, pr
         ref = reference.setdefault((mode, batch), tokens)
         prefill = statistics.median(pre)
         decode = (statistics.median(full) - prefill) / max(1, new - 1)
-        rows.append({"impl": impl, "mode": mode, "batch": batch, "prefill_ms": prefill, "decode_ms": decode,
-                     "agreement": float((tokens == ref).float().mean())})
-        progress(f"[{n}/{len(cells)}] {impl} {mode} batch {batch}: prefill {prefill:.1f} ms, "
-                 f"decode {decode:.2f} ms/token")
+        rows.append(
+            {
+                "impl": impl,
+                "mode": mode,
+                "batch": batch,
+                "prefill_ms": prefill,
+                "decode_ms": decode,
+                "agreement": float((tokens == ref).float().mean()),
+            }
+        )
+        progress(
+            f"[{n}/{len(cells)}] {impl} {mode} batch {batch}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token"
+        )
     for row in rows:
-        best = min((r["decode_ms"] for r in rows if r["impl"] not in FUSED and r["mode"] == row["mode"]
-                    and r["batch"] == row["batch"]), default=None)
+        best = min(
+            (
+                r["decode_ms"]
+                for r in rows
+                if r["impl"] not in FUSED and r["mode"] == row["mode"] and r["batch"] == row["batch"]
+            ),
+            default=None,
+        )
         row["vs_best_transformers"] = row["decode_ms"] / best if best else None
     return rows
 
 
 def table_rows(rows: list[dict]) -> list[list[object]]:
-    return [[r["impl"], r["mode"], r["batch"], r["prefill_ms"], r["decode_ms"], r["vs_best_transformers"],
-             f"{100 * r['agreement']:.0f}%"] for r in rows]
+    return [
+        [
+            r["impl"],
+            r["mode"],
+            r["batch"],
+            r["prefill_ms"],
+            r["decode_ms"],
+            r["vs_best_transformers"],
+            f"{100 * r['agreement']:.0f}%",
+        ]
+        for r in rows
+    ]
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -172,8 +273,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(impls)
     for j, impl in enumerate(impls):
-        ys = [next((r["decode_ms"] for r in rows if r["impl"] == impl and (r["mode"], r["batch"]) == c), 0)
-              for c in cells]
+        ys = [
+            next((r["decode_ms"] for r in rows if r["impl"] == impl and (r["mode"], r["batch"]) == c), 0) for c in cells
+        ]
         ax.bar([i + j * width for i in range(len(cells))], ys, width, label=impl)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"{m}\nbatch {b}" for m, b in cells])
     ax.set_ylabel("decode ms / token")
@@ -189,8 +291,13 @@ def main(args) -> int:
         raise SystemExit(f"--preset must be one of {sorted(MODELS)} for bench model, got {preset!r}")
     on_gpu = torch.cuda.is_available() and not args.cpu
     tiny = args.tiny or not on_gpu
-    model = build(preset, tiny=tiny, layers=args.layers, device="cuda" if on_gpu else "cpu",
-                  dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model = build(
+        preset,
+        tiny=tiny,
+        layers=args.layers,
+        device="cuda" if on_gpu else "cpu",
+        dtype=torch.bfloat16 if on_gpu else torch.float32,
+    )
     impls = args.impls.split(",") if args.impls else available_impls()
     modes = args.modes.split(",") if args.modes else ["eager", "compiled"]
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8]
@@ -199,8 +306,16 @@ def main(args) -> int:
     title = f"{preset} ({size}, {model.config.num_hidden_layers} layers): generate {args.prompt} + {args.new} tokens"
     report.print_table(title, COLUMNS, table_rows(rows))
     if args.json:
-        report.save_json(args.json, {"env": report.environment(), "preset": preset, "tiny": tiny,
-                                     "layers": model.config.num_hidden_layers, "rows": rows})
+        report.save_json(
+            args.json,
+            {
+                "env": report.environment(),
+                "preset": preset,
+                "tiny": tiny,
+                "layers": model.config.num_hidden_layers,
+                "rows": rows,
+            },
+        )
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot, title)

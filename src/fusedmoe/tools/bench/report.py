@@ -33,9 +33,12 @@ def environment() -> dict[str, object]:
     if not info["commit"]:
         try:
             root = Path(__file__).resolve().parents[4]
-            info["commit"] = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
-            ).stdout.strip() or None
+            info["commit"] = (
+                subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+                ).stdout.strip()
+                or None
+            )
         except Exception:
             info["commit"] = None
     return info
