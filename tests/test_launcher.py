@@ -360,3 +360,25 @@ def test_gpu_an_installed_launch_hook_sees_every_launch():
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) >= 4  # align, GEMM1, GEMM2, reduce went through Triton's launcher
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_layer_copies_and_pickles_after_calls():
+    """Cached verdicts (kernels, managers, closures) stay with the original: copies start empty and work."""
+    import copy
+    import pickle
+
+    layer = _layer()  # with an explicit workspace manager
+    x = torch.randn(3, H, device=DEV)
+    want = layer(x)
+    assert layer._verdicts
+    clone = copy.deepcopy(layer)
+    assert not clone._verdicts and clone.workspace is layer.workspace  # a manager is shared, not copied
+    torch.testing.assert_close(clone(x), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="WorkspaceManager holds device arenas"):
+        pickle.dumps(layer)
+    layer.workspace = None  # the device's default manager
+    layer(x)
+    clone = pickle.loads(pickle.dumps(layer))
+    assert not clone._verdicts
+    torch.testing.assert_close(clone(x), want, rtol=0, atol=0)
+    assert layer._verdicts  # the original keeps its cache

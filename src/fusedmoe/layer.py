@@ -141,6 +141,12 @@ class FusedMoE(nn.Module):
             )
         self.reset_parameters()
 
+    def __getstate__(self) -> dict:
+        # Cached verdicts hold kernels, managers and closures: a copy or a pickle starts without them.
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__)
+        state["_verdicts"] = {}
+        return state
+
     def reset_parameters(self) -> None:
         """Random weights scaled so activations keep unit order of magnitude (for tests and benchmarks)."""
         H, I = self.hidden_size, self.intermediate_size

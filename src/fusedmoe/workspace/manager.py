@@ -175,6 +175,16 @@ class WorkspaceManager:
         self._lock = threading.Lock()
         self._slot: contextvars.ContextVar[object | None] = contextvars.ContextVar(f"fusedmoe_slot_{id(self)}")
 
+    def __deepcopy__(self, memo) -> WorkspaceManager:
+        # A manager is a shared resource (its arenas serve every layer holding it): copies of a layer share it.
+        return self
+
+    def __reduce__(self):
+        raise TypeError(
+            "a WorkspaceManager holds device arenas and cannot be pickled; pickle the layers without "
+            "workspace= (they use the device's default manager) or set it again after loading"
+        )
+
     def __repr__(self) -> str:
         return (
             f"WorkspaceManager(device={self.device}, strategy={self.strategy!r}, poison={self.poison}, "
