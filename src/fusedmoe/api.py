@@ -223,19 +223,22 @@ def run_problem(
     workspace2: torch.Tensor | None = None,
     owner: object = None,
 ) -> torch.Tensor:
-    """Run a validated problem through the chosen backend's kernel (used by fused_moe and FusedMoE).
+    """Run a validated problem through the chosen backend's kernel (the registered op's eager implementation).
 
     Raises GradientNotSupportedError when autograd would need a gradient of the result."""
-    forbid_gradients(
-        "fused_moe",
-        hidden_states=x.hidden_states,
-        w1=x.w1,
-        w2=x.w2,
-        topk_weights=x.topk_weights,
-        w1_bias=x.w1_bias,
-        w2_bias=x.w2_bias,
-        w1_scale=x.w1_scale,
-        w2_scale=x.w2_scale,
+    _forbid_gradients(
+        x.hidden_states,
+        x.w1,
+        x.w2,
+        x.topk_weights,
+        x.topk_ids,
+        x.expert_map,
+        x.w1_scale,
+        x.w2_scale,
+        x.a1_scale,
+        x.a2_scale,
+        x.w1_bias,
+        x.w2_bias,
     )
     kernel, manager = resolve(p, x.hidden_states.device, backend, workspace)
     return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)

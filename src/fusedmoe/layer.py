@@ -16,8 +16,7 @@ from .ops import launcher
 from .ops.launcher import UNSEEN, Replays
 from .problem import MoEProblem, Routing
 from .reference import activation_reference
-from .route_stage import fused_routing_applies
-from .routing import route
+from .routing import fused_routing_applies, route
 from .signature import input_signature
 from .workspace.manager import WorkspaceManager, current_stream, default_manager
 from .workspace.plan import WorkspacePlan

@@ -14,20 +14,12 @@ from dataclasses import replace
 import torch
 
 from .problem import MoEProblem
-from .routing import _fused_kernel_supports, route
+from .routing import fused_routing_applies, route
 from .steps import step
 from .workspace.plan import BufferSpec
 
 #: The buffers the routing step writes (exported across the prepare/experts boundary).
 ROUTED = ("topk_weights", "topk_ids")
-
-
-def fused_routing_applies(E: int, top_k: int, num_expert_groups: int | None, topk_groups: int | None) -> bool:
-    """Whether :func:`fusedmoe.routing.route` takes its one-launch kernel for these settings on CUDA (top-k
-    beyond the kept groups' experts stays on the torch path)."""
-    if not _fused_kernel_supports(E, top_k, num_expert_groups):
-        return False
-    return num_expert_groups is None or top_k <= topk_groups * (E // num_expert_groups)
 
 
 def route_buffers(p: MoEProblem) -> list[BufferSpec]:
@@ -53,4 +45,4 @@ def route_step(c, topk_weights, topk_ids):
     c.prepared = replace(c.prepared, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-__all__ = ["ROUTED", "fused_routing_applies", "route_buffers", "route_step"]
+__all__ = ["ROUTED", "route_buffers", "route_step"]

@@ -131,6 +131,19 @@ def _fused_kernel_supports(E: int, top_k: int, num_expert_groups: int | None) ->
     return kernel_supports(E, top_k, num_expert_groups)
 
 
+def fused_routing_applies(E: int, top_k: int, num_expert_groups: int | None, topk_groups: int | None) -> bool:
+    """Whether :func:`route` takes the one-launch kernel for these settings on CUDA (top-k beyond the kept
+    groups' experts stays on the torch path)."""
+    return not _fills_from_dropped(E, top_k, num_expert_groups, topk_groups) and _fused_kernel_supports(
+        E, top_k, num_expert_groups
+    )
+
+
+def _fills_from_dropped(E: int, top_k: int, num_expert_groups: int | None, topk_groups: int | None) -> bool:
+    """Whether ``top_k`` exceeds the experts of the kept groups (the rest then come from dropped groups)."""
+    return num_expert_groups is not None and top_k > topk_groups * (E // num_expert_groups)
+
+
 def _fill_from_dropped(scores: Tensor, choice: Tensor, top_k: int, *, weights_from_choice: bool):
     """Top-k when ``top_k`` exceeds the experts of the kept groups, as transformers' DeepSeek routers do it.
 
@@ -213,8 +226,7 @@ def route(
         routed_scaling_factor,
     )
     E = router_logits.shape[1]
-    fills_from_dropped = num_expert_groups is not None and top_k > topk_groups * (E // num_expert_groups)
-    if router_logits.is_cuda and not fills_from_dropped and _fused_kernel_supports(E, top_k, num_expert_groups):
+    if router_logits.is_cuda and fused_routing_applies(E, top_k, num_expert_groups, topk_groups):
         from .ops.routing import route_fused
 
         return route_fused(
@@ -227,6 +239,7 @@ def route(
             correction_bias=correction_bias,
             routed_scaling_factor=routed_scaling_factor,
         )
+    fills_from_dropped = _fills_from_dropped(E, top_k, num_expert_groups, topk_groups)
     logits = torch.nan_to_num(router_logits.float(), nan=_NEG_INF, posinf=_FLOAT_MAX, neginf=_NEG_INF)
     M = logits.shape[0]
     dead = logits.amax(dim=-1, keepdim=True) == _NEG_INF  # rows with nothing to choose (see module docs)

@@ -22,6 +22,7 @@ rebuilt at the recorded offsets, so the substitution logic is tested there too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -258,17 +259,14 @@ def _hook_active(hook) -> bool:
 
 def _hooked() -> bool:
     """Whether a Triton launch hook (a profiler's) is installed: then launches go through ``kernel[grid]``."""
-    rt = _RUNTIME_KNOBS[0] if _RUNTIME_KNOBS else _runtime_knobs()
+    rt = _runtime_knobs()
     return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook)
 
 
-_RUNTIME_KNOBS: list = []
-
-
+@functools.cache
 def _runtime_knobs():
     from triton import knobs
 
-    _RUNTIME_KNOBS.append(knobs.runtime)
     return knobs.runtime
 
 

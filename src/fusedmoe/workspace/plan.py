@@ -163,6 +163,7 @@ class WorkspacePlan:
     steps: tuple[str, ...] = ()
     placements: dict[str, Placement] = field(init=False, repr=False, compare=False)
     nbytes: int = field(init=False)
+    zero_nbytes: int = field(init=False, repr=False, compare=False)  # bytes the manager zeroes per call
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.buffers]
@@ -172,15 +173,12 @@ class WorkspacePlan:
         placements, total = lay_out(self.buffers)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "nbytes", total)
+        object.__setattr__(self, "zero_nbytes", sum(b.nbytes for b in self.buffers if b.zero is not None))
 
     @property
     def sum_nbytes(self) -> int:
         """Bytes the buffers would take without aliasing (each aligned)."""
         return sum(align_up(b.nbytes) for b in self.buffers)
-
-    @property
-    def zero_nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers if b.zero is not None)
 
     def region(self, region: str) -> tuple[dict[str, Placement], int]:
         """Layout of the buffers of one caller region ("13" or "2") on their own."""
