@@ -1,0 +1,97 @@
+"""Autograd for the MoE layer: one :class:`torch.autograd.Function` around the inference path.
+
+The forward runs exactly what inference runs (same kernels, same workspace); the backward recomputes the expert
+activations and returns gradients for the hidden states, both weights, the routing weights and the biases
+(those that require grad). ``topk_ids`` and ``expert_map`` are integer inputs and get none; slots of experts
+that are not local to this rank contribute nothing to any gradient. Double backward is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .torch_backward import MoEGradients, moe_backward_torch
+
+
+@dataclass(frozen=True)
+class BackwardSettings:
+    """What the backward needs besides the saved tensors."""
+
+    activation: str
+    apply_router_weight_on_input: bool
+    global_num_experts: int
+    backend: str  # the forward's resolved backend: "torch" or "triton"
+
+
+#: The differentiable inputs in the order of :class:`MoEGradients`' fields, as positions of the Function's inputs.
+_DIFFERENTIABLE = (2, 3, 4, 5, 8, 9)
+
+
+class _MoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward, settings, x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias):
+        ctx.settings = settings
+        ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias)
+        return forward()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
+        s: BackwardSettings = ctx.settings
+        needs = tuple(ctx.needs_input_grad[i] for i in _DIFFERENTIABLE)
+        grads: MoEGradients = moe_backward_torch(
+            grad_out.contiguous(),
+            x,
+            w1,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation=s.activation,
+            apply_router_weight_on_input=s.apply_router_weight_on_input,
+            expert_map=expert_map,
+            global_num_experts=s.global_num_experts,
+            w1_bias=w1_bias,
+            w2_bias=w2_bias,
+            needs=needs,
+        )
+        return (
+            None,
+            None,
+            grads.hidden_states,
+            grads.w1,
+            grads.w2,
+            grads.topk_weights,
+            None,
+            None,
+            grads.w1_bias,
+            grads.w2_bias,
+        )
+
+
+def differentiable_moe(
+    forward: Callable[[], torch.Tensor],
+    settings: BackwardSettings,
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``forward()`` (the inference call on exactly these tensors, returning a fresh [M, H]) made differentiable
+    in ``hidden_states``, ``w1``, ``w2``, ``topk_weights`` and the biases."""
+    return _MoEFunction.apply(
+        forward, settings, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias
+    )
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd is recording and any of ``tensors`` requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
