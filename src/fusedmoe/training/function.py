@@ -14,17 +14,38 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..problem import MoEProblem
+from ..workspace.manager import WorkspaceManager
 from .torch_backward import MoEGradients, moe_backward_torch
+
+_TRITON_BACKWARD = None
+
+
+def _triton_backward():
+    global _TRITON_BACKWARD
+    if _TRITON_BACKWARD is None:
+        from .triton_backward import TritonBackward
+
+        _TRITON_BACKWARD = TritonBackward()
+    return _TRITON_BACKWARD
 
 
 @dataclass(frozen=True)
 class BackwardSettings:
-    """What the backward needs besides the saved tensors."""
+    """What the backward needs besides the saved tensors.
+
+    ``backend`` is the forward's resolved backend. With "triton", ``problem`` (the forward's validated
+    :class:`~fusedmoe.problem.MoEProblem`) and ``manager`` (its workspace manager) are given and the backward
+    runs the Triton kernels on that manager's arena; otherwise the torch backward runs.
+    """
 
     activation: str
     apply_router_weight_on_input: bool
     global_num_experts: int
-    backend: str  # the forward's resolved backend: "torch" or "triton"
+    backend: str = "torch"
+    problem: MoEProblem | None = None
+    manager: WorkspaceManager | None = None
+    owner: object = None
 
 
 #: The differentiable inputs in the order of :class:`MoEGradients`' fields, as positions of the Function's inputs.
@@ -44,6 +65,19 @@ class _MoEFunction(torch.autograd.Function):
         x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
         s: BackwardSettings = ctx.settings
         needs = tuple(ctx.needs_input_grad[i] for i in _DIFFERENTIABLE)
+        if s.backend == "triton":
+            from .triton_backward import BackwardInputs
+
+            inputs = BackwardInputs(
+                *(_rows(t) for t in (x, w1, w2)),
+                topk_weights.contiguous(),
+                topk_ids,
+                expert_map,
+                *(_rows(t) for t in (w1_bias, w2_bias)),
+                grad_out.contiguous(),
+            )
+            grads = _triton_backward()(inputs, s.problem, needs, s.manager, s.owner)
+            return _as_inputs(grads)
         grads: MoEGradients = moe_backward_torch(
             grad_out.contiguous(),
             x,
@@ -59,18 +93,28 @@ class _MoEFunction(torch.autograd.Function):
             w2_bias=w2_bias,
             needs=needs,
         )
-        return (
-            None,
-            None,
-            grads.hidden_states,
-            grads.w1,
-            grads.w2,
-            grads.topk_weights,
-            None,
-            None,
-            grads.w1_bias,
-            grads.w2_bias,
-        )
+        return _as_inputs(grads)
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` contiguous along its last dimension (what the Triton backward kernels address)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _as_inputs(grads: MoEGradients) -> tuple:
+    """The Function's gradient tuple, one entry per input of :meth:`_MoEFunction.forward`."""
+    return (
+        None,
+        None,
+        grads.hidden_states,
+        grads.w1,
+        grads.w2,
+        grads.topk_weights,
+        None,
+        None,
+        grads.w1_bias,
+        grads.w2_bias,
+    )
 
 
 def differentiable_moe(

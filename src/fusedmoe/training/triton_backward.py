@@ -1,0 +1,304 @@
+"""The MoE layer's backward with the Triton kernels of :mod:`fusedmoe.ops.moe_backward`, as a planned program.
+
+Steps (each a :func:`~fusedmoe.steps.step`; the buffers it names are its scratch, lifetimes derived by the plan):
+``align`` (the forward's alignment, recomputed: a few µs), ``bwd_act`` (recomputed GEMM1 + ``g W2`` + the
+activation's backward -> ``dh``, ``act``, ``dw_partial``), ``dw2`` (``dW2``, ``db2``), ``dweights`` (the routing
+weights' gradient), ``dx_slots`` (``dh W1`` per slot, the forward's GEMM2 kernel on W1's transpose), ``dx`` (the
+forward's top-k reduce), ``dw1`` (``dW1``, ``db1``). Steps whose gradients nobody asked for are left out.
+
+Scratch comes from the same :class:`~fusedmoe.workspace.manager.WorkspaceManager` as the forward (so it is
+shared across layers, poison-checked and counted in ``WorkspaceStats``); the gradients are fresh tensors whose
+every element the kernels write (no fills).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.align import AlignParams, align_params, moe_align
+from ..ops.configs import GemmConfig
+from ..ops.grouped_gemm import grid_blocks, moe_gemm2
+from ..ops.moe_backward import bwd_act_tiles, expert_block_ranges, moe_bwd_act, moe_dweights, moe_wgrad
+from ..ops.reduce import moe_reduce
+from ..problem import MoEProblem, hash_once
+from ..steps import Call, Program, step
+from ..workspace.manager import WorkspaceManager
+from ..workspace.plan import BufferSpec
+from .torch_backward import MoEGradients
+
+
+@dataclass(frozen=True)
+class BackwardInputs:
+    """The saved forward inputs and the incoming gradient ``grad_out`` [M, H] (contiguous)."""
+
+    hidden_states: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    expert_map: torch.Tensor | None
+    w1_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    grad_out: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """Tile choices of one backward call and which gradients it computes (hidden_states, w1, w2, topk_weights,
+    w1_bias, w2_bias)."""
+
+    block_m: int
+    align: AlignParams
+    num_blocks: int
+    act_tile: tuple[int, int]  # (BLOCK_N over I, BLOCK_K over H) of bwd_act
+    wgrad_tile: tuple[int, int]
+    dx: GemmConfig
+    ieee: bool
+    needs: tuple[bool, bool, bool, bool, bool, bool]
+
+    __hash__ = hash_once
+
+
+def _pow2_between(n: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < hi and p < n:
+        p *= 2
+    return p
+
+
+def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False) -> BackwardLaunch:
+    """Tiles by rows per expert (the forward heuristic's breakpoints) and the problem's widths."""
+    rows = p.slots / max(p.E, 1)
+    block_m = 16 if rows <= 16 else 32 if rows <= 64 else 64
+    ap = align_params(p.slots, p.E, block_m)
+    act_tile = (_pow2_between(p.I, 16, 64), _pow2_between(p.H, 16, 64))
+    wgrad_tile = (_pow2_between(max(p.H, 2 * p.I), 16, 64), _pow2_between(max(p.H, p.I), 16, 64))
+    dx = GemmConfig(block_m, _pow2_between(p.H, 16, 128), _pow2_between(2 * p.I, 16, 64), 8, 4, 3)
+    return BackwardLaunch(
+        block_m, ap, grid_blocks(p.slots, ap.max_blocks), act_tile, wgrad_tile, dx, ieee, tuple(map(bool, needs))
+    )
+
+
+def _ids(c: Call) -> torch.Tensor:
+    return c.x.topk_ids if c.x.topk_ids.is_contiguous() else c.x.topk_ids.contiguous()
+
+
+@step
+def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
+    moe_align(
+        _ids(c),
+        c.p.E,
+        c.launch.block_m,
+        expert_map=c.x.expert_map,
+        global_num_experts=c.p.global_E,
+        sorted_ids=sorted_ids,
+        block_expert=block_expert,
+        num_padded=num_padded,
+        partial=align_partial,
+    )
+
+
+@step
+def _ranges(c, block_expert, expert_ranges):
+    expert_block_ranges(block_expert, expert_ranges)
+
+
+@step
+def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
+    x, p, L = c.x, c.p, c.launch
+    moe_bwd_act(
+        x.hidden_states,
+        x.grad_out,
+        x.w1,
+        x.w2,
+        x.topk_weights,
+        sorted_ids,
+        block_expert,
+        dh,
+        top_k=p.top_k,
+        num_blocks=L.num_blocks,
+        block_m=L.block_m,
+        block_n=L.act_tile[0],
+        block_k=L.act_tile[1],
+        activation=p.activation,
+        apply_router_weight_on_input=p.apply_router_weight_on_input,
+        w1_bias=x.w1_bias,
+        w2_bias=x.w2_bias,
+        act=act,
+        dw_partial=dw_partial,
+        fp32_ieee=L.ieee,
+    )
+
+
+def _wgrad(c, a, b, out, bias_out, sorted_ids, expert_ranges, *, a_by_token, b_by_token, scale):
+    L = c.launch
+    moe_wgrad(
+        a,
+        b,
+        out,
+        sorted_ids,
+        expert_ranges,
+        top_k=c.p.top_k,
+        block_m=L.block_m,
+        a_by_token=a_by_token,
+        b_by_token=b_by_token,
+        topk_weights=c.x.topk_weights,
+        scale=scale,
+        bias_out=bias_out,
+        block_n=L.wgrad_tile[0],
+        block_k=L.wgrad_tile[1],
+        fp32_ieee=L.ieee,
+    )
+
+
+@step
+def _dw2(c, sorted_ids, expert_ranges, act):
+    g = c.out
+    scale = 0 if c.p.apply_router_weight_on_input else 1  # dy = w g
+    _wgrad(
+        c,
+        c.x.grad_out,
+        act,
+        g["w2"],
+        g.get("w2_bias"),
+        sorted_ids,
+        expert_ranges,
+        a_by_token=True,
+        b_by_token=False,
+        scale=scale,
+    )
+
+
+@step
+def _dweights(c, dw_partial):
+    p = c.p
+    moe_dweights(
+        dw_partial, _ids(c), c.out["topk_weights"], p.E, expert_map=c.x.expert_map, global_num_experts=p.global_E
+    )
+
+
+@step
+def _dx_slots(c, sorted_ids, block_expert, dh, dx_slots):
+    x, L = c.x, c.launch
+    moe_gemm2(
+        dh,
+        x.w1.transpose(1, 2),
+        dx_slots,
+        sorted_ids,
+        block_expert,
+        num_blocks=L.num_blocks,
+        config=L.dx,
+        topk_weights=x.topk_weights if c.p.apply_router_weight_on_input else None,
+        fp32_ieee=L.ieee,
+    )
+
+
+@step
+def _dx(c, dx_slots):
+    p = c.p
+    moe_reduce(dx_slots, _ids(c), c.out["hidden_states"], p.E, expert_map=c.x.expert_map, global_num_experts=p.global_E)
+
+
+@step
+def _dw1(c, sorted_ids, expert_ranges, dh):
+    g = c.out
+    scale = 2 if c.p.apply_router_weight_on_input else 0  # the GEMM1 input was w x
+    _wgrad(
+        c,
+        dh,
+        c.x.hidden_states,
+        g["w1"],
+        g.get("w1_bias"),
+        sorted_ids,
+        expert_ranges,
+        a_by_token=False,
+        b_by_token=True,
+        scale=scale,
+    )
+
+
+def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
+    """The steps and buffers of one backward call of ``p`` (``p.M > 0``)."""
+    need_x, need_w1, need_w2, need_w, need_b1, need_b2 = L.needs
+    S, H, I, dt, ap = p.slots, p.H, p.I, p.dtype, L.align
+    i32 = torch.int32
+    buffers = [
+        BufferSpec("sorted_ids", (ap.max_padded,), i32),
+        BufferSpec("block_expert", (ap.max_blocks,), i32),
+        BufferSpec("num_padded", (1,), i32),
+        BufferSpec("dh", (S, 2 * I), dt),
+    ]
+    if not ap.fused:
+        buffers.append(BufferSpec("align_partial", ap.partial_shape, i32))
+    steps = [_align, _bwd_act]
+    if need_w1 or need_w2 or need_b1 or need_b2:
+        buffers.append(BufferSpec("expert_ranges", (p.E, 2), i32))
+        steps.insert(1, _ranges)
+    if need_w2 or need_b2:
+        buffers.append(BufferSpec("act", (S, I), dt))
+        steps.append(_dw2)
+    if need_w:
+        buffers.append(BufferSpec("dw_partial", (bwd_act_tiles(I, L.act_tile[0]), S), torch.float32))
+        steps.append(_dweights)
+    if need_x:
+        buffers.append(BufferSpec("dx_slots", (S, H), dt))
+        steps += [_dx_slots, _dx]
+    if need_w1 or need_b1:
+        steps.append(_dw1)
+    return Program([], steps, [], buffers)
+
+
+class TritonBackward:
+    """Runs backward programs, cached per (problem, launch), on a workspace manager's arena."""
+
+    def __init__(self):
+        self._programs: dict[tuple[MoEProblem, BackwardLaunch], Program] = {}
+
+    def program(self, p: MoEProblem, L: BackwardLaunch) -> Program:
+        key = (p, L)
+        prog = self._programs.get(key)
+        if prog is None:
+            if len(self._programs) > 1024:
+                self._programs.clear()
+            prog = self._programs[key] = backward_program(p, L)
+        return prog
+
+    def __call__(
+        self, x: BackwardInputs, p: MoEProblem, needs: tuple[bool, ...], manager: WorkspaceManager, owner=None
+    ) -> MoEGradients:
+        need_x, need_w1, need_w2, need_w, need_b1, need_b2 = needs
+        need_b1 = need_b1 and x.w1_bias is not None
+        need_b2 = need_b2 and x.w2_bias is not None
+        needs = (need_x, need_w1, need_w2, need_w, need_b1, need_b2)
+
+        def empty_like(t, want):
+            return torch.empty_like(t, memory_format=torch.contiguous_format) if want else None
+
+        out = {
+            "hidden_states": empty_like(x.hidden_states, need_x),
+            "w1": empty_like(x.w1, need_w1 or need_b1),  # the dW1 kernel writes db1 alongside
+            "w2": empty_like(x.w2, need_w2 or need_b2),
+            "topk_weights": empty_like(x.topk_weights, need_w),
+            "w1_bias": empty_like(x.w1_bias, need_b1),
+            "w2_bias": empty_like(x.w2_bias, need_b2),
+        }
+        if p.M > 0:
+            ieee = p.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+            L = backward_launch(p, needs, ieee)
+            prog = self.program(p, L)
+            ws = manager.acquire(prog.plan, owner)
+            prog.run(1, Call(p, L, x, out), ws.views, ws.arena if manager.poison else None)
+        elif need_w1 or need_w2 or need_b1 or need_b2:
+            for name in ("w1", "w2", "w1_bias", "w2_bias"):
+                if out[name] is not None:
+                    out[name].zero_()  # no tokens: these gradients are zero, not garbage
+        return MoEGradients(
+            hidden_states=out["hidden_states"],
+            w1=out["w1"] if need_w1 else None,
+            w2=out["w2"] if need_w2 else None,
+            topk_weights=out["topk_weights"],
+            w1_bias=out["w1_bias"],
+            w2_bias=out["w2_bias"],
+        )

@@ -1,0 +1,178 @@
+"""The Triton backward kernels against the torch backward (CPU interpreter, float32; bf16 on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import TRITON_DEVICE_DTYPES, tolerance
+
+from fusedmoe.problem import MoEProblem
+from fusedmoe.training import moe_backward_torch
+from fusedmoe.training.triton_backward import BackwardInputs, TritonBackward
+from fusedmoe.workspace.manager import WorkspaceManager
+
+NAMES = ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")
+
+
+def _case(M, E, k, H, I, *, dtype, device, bias=False, ids=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g)
+    w1 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    tw = torch.rand(M, k, generator=g)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)] or [torch.zeros(0)]).reshape(M, k)
+    b1 = torch.randn(E, 2 * I, generator=g) if bias else None
+    b2 = torch.randn(E, H, generator=g) if bias else None
+    gout = torch.randn(M, H, generator=g)
+
+    def on(t, dt=dtype):
+        return None if t is None else t.to(device=device, dtype=dt)
+
+    return on(x), on(w1), on(w2), on(tw, torch.float32), on(ids, torch.int32), on(b1), on(b2), on(gout)
+
+
+def _problem(x, w1, tw, expert_map, global_E, activation, on_input, bias):
+    M, H = x.shape
+    E, two_i, _ = w1.shape
+    return MoEProblem(
+        M=M,
+        H=H,
+        I=two_i // 2,
+        E=E,
+        global_E=global_E,
+        top_k=tw.shape[1],
+        dtype=x.dtype,
+        weight_dtype=w1.dtype,
+        activation=activation,
+        apply_router_weight_on_input=on_input,
+        has_expert_map=expert_map is not None,
+        has_bias=bias,
+    )
+
+
+def _compare(
+    device,
+    dtype,
+    M,
+    E,
+    k,
+    H,
+    I,
+    *,
+    activation="silu",
+    on_input=False,
+    bias=False,
+    ids=None,
+    expert_map=None,
+    global_E=None,
+    needs=(True,) * 6,
+    seed=0,
+):
+    x, w1, w2, tw, ids, b1, b2, g = _case(M, E, k, H, I, dtype=dtype, device=device, bias=bias, ids=ids, seed=seed)
+    emap = None if expert_map is None else expert_map.to(device)
+    global_E = global_E or E
+    ref = moe_backward_torch(
+        g.double(),
+        x.double(),
+        w1.double(),
+        w2.double(),
+        tw.double(),
+        ids,
+        activation=activation,
+        apply_router_weight_on_input=on_input,
+        expert_map=emap,
+        global_num_experts=global_E,
+        w1_bias=None if b1 is None else b1.double(),
+        w2_bias=None if b2 is None else b2.double(),
+        needs=needs,
+    )
+    manager = WorkspaceManager(device, poison=True)
+    p = _problem(x, w1, tw, emap, global_E, activation, on_input, bias)
+    got = TritonBackward()(BackwardInputs(x, w1, w2, tw, ids, emap, b1, b2, g), p, needs, manager)
+    tol = tolerance(dtype)
+    for name in NAMES:
+        want, have = getattr(ref, name), getattr(got, name)
+        if want is None:
+            assert have is None, name
+            continue
+        assert have.dtype == (torch.float32 if name == "topk_weights" else dtype), name
+        assert torch.isfinite(have).all(), name
+        denom = want.norm().item()
+        err = (have.double() - want).norm().item() / (denom if denom else 1.0)
+        assert err < tol, (name, err)
+    return ref, got
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_exact", "swigluoai"])
+@pytest.mark.parametrize("on_input", [False, True])
+def test_matches_torch_backward(device, dtype, activation, on_input):
+    _compare(device, dtype, 9, 4, 2, 32, 16, activation=activation, on_input=on_input, bias=activation == "swigluoai")
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("on_input", [False, True])
+def test_biases(device, dtype, on_input):
+    _compare(device, dtype, 6, 3, 2, 48, 24, bias=True, on_input=on_input)
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_expert_map_and_unroutable_ids(device, dtype):
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1], dtype=torch.int32)
+    ids = torch.tensor([[1, 4], [0, 2], [4, -1], [9, 1], [3, 5], [0, 5]], dtype=torch.int32)
+    ref, got = _compare(device, dtype, 6, 3, 2, 32, 16, ids=ids, expert_map=expert_map, global_E=6, bias=True)
+    # token 5 reaches no local expert; its slots get exact zeros
+    assert got.hidden_states[5].eq(0).all() and got.topk_weights[5].eq(0).all()
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("case", ["M1", "one_expert", "topk_equals_E", "all_on_one", "odd_sizes"])
+def test_edges(device, dtype, case):
+    if case == "M1":
+        _compare(device, dtype, 1, 4, 2, 32, 16)
+    elif case == "one_expert":
+        _compare(device, dtype, 5, 1, 1, 32, 16)
+    elif case == "topk_equals_E":
+        _compare(device, dtype, 5, 3, 3, 32, 16)
+    elif case == "all_on_one":
+        ref, got = _compare(device, dtype, 20, 4, 1, 32, 16, ids=torch.full((20, 1), 2))
+        assert got.w1[[0, 1, 3]].eq(0).all() and got.w2[[0, 1, 3]].eq(0).all()  # idle experts: exact zeros
+    else:  # H, I not multiples of any tile; more slots than one block
+        _compare(device, dtype, 37, 5, 2, 40, 24, bias=True)
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_no_tokens(device, dtype):
+    x, w1, w2, tw, ids, b1, b2, g = _case(0, 3, 2, 32, 16, dtype=dtype, device=device, bias=True)
+    p = _problem(x, w1, tw, None, 3, "silu", False, True)
+    got = TritonBackward()(
+        BackwardInputs(x, w1, w2, tw, ids, None, b1, b2, g), p, (True,) * 6, WorkspaceManager(device)
+    )
+    assert got.hidden_states.shape == (0, 32) and got.topk_weights.shape == (0, 2)
+    assert got.w1.eq(0).all() and got.w2.eq(0).all() and got.w1_bias.eq(0).all() and got.w2_bias.eq(0).all()
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize(
+    "needs",
+    [
+        (True, False, False, False, False, False),
+        (False, True, True, False, False, False),
+        (False, False, False, True, False, False),
+    ],
+)
+def test_partial_gradients(device, dtype, needs):
+    ref, got = _compare(device, dtype, 7, 4, 2, 32, 16, bias=True, needs=needs)
+    for name, want in zip(NAMES, needs):
+        assert (getattr(got, name) is not None) == want, name
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_deterministic(device, dtype):
+    x, w1, w2, tw, ids, b1, b2, g = _case(33, 4, 2, 32, 16, dtype=dtype, device=device, bias=True)
+    p = _problem(x, w1, tw, None, 4, "silu", False, True)
+    inputs = BackwardInputs(x, w1, w2, tw, ids, None, b1, b2, g)
+    runs = [TritonBackward()(inputs, p, (True,) * 6, WorkspaceManager(device)) for _ in range(2)]
+    for name in NAMES:
+        assert torch.equal(getattr(runs[0], name), getattr(runs[1], name)), name
