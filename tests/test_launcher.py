@@ -15,7 +15,6 @@ import torch
 
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe, route
 from fusedmoe.api import get_kernel
-from fusedmoe.checks import GradientNotSupportedError
 from fusedmoe.kernel import MoEKernel
 from fusedmoe.ops import launcher
 from fusedmoe.ops.launcher import Recorder
@@ -193,14 +192,17 @@ def test_full_checks_run_on_every_call():
         fused_moe(x, w1, w2, tw, bad, backend="torch", workspace=mgr, checks="full")
 
 
-def test_cached_verdict_still_refuses_gradients():
+def test_cached_verdict_still_builds_the_graph():
     mgr = WorkspaceManager(DEV)
     x, w1, w2, tw, ti = _inputs(0)
     with torch.no_grad():
-        fused_moe(x, w1, w2, tw, ti, backend="torch", workspace=mgr)
+        want = fused_moe(x, w1, w2, tw, ti, backend="torch", workspace=mgr)
     w1.requires_grad_(True)
-    with pytest.raises(GradientNotSupportedError):
-        fused_moe(x, w1, w2, tw, ti, backend="torch", workspace=mgr)
+    out = fused_moe(x, w1, w2, tw, ti, backend="torch", workspace=mgr)  # the cached verdict's path
+    assert out.requires_grad
+    out.sum().backward()
+    assert w1.grad is not None and w1.grad.abs().sum() > 0
+    torch.testing.assert_close(out.detach(), want, rtol=0, atol=0)
 
 
 def _layer(**kw) -> FusedMoE:

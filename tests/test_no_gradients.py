@@ -1,10 +1,12 @@
-"""No silent gradient drop: until fusedmoe has a backward pass, every entry point raises a typed error naming the
-remedy when autograd would need a gradient of its result, and runs as before under no_grad / inference mode."""
+"""No silent gradient drop: entry points without a backward raise a typed error naming the remedy when autograd
+would need a gradient of their result (and run as before under no_grad / inference mode); the ones with a
+backward (fused_moe, FusedMoE, the experts interface) build the graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from devices import INTERPRETING
 
 from fusedmoe import FusedMoE, fused_moe
 from fusedmoe.checks import GradientNotSupportedError
@@ -28,47 +30,62 @@ def _inputs(requires=("hidden_states",)):
 
 
 @pytest.mark.parametrize("which", ["hidden_states", "w1", "w2", "topk_weights"])
-@pytest.mark.parametrize("call", ["fused_moe", "fused_moe_op"])
-def test_functional_entry_points(which, call):
-    fn = fused_moe if call == "fused_moe" else fused_moe_op
+def test_registered_op_refuses_gradients(which):
     t = _inputs((which,))
-    with pytest.raises(GradientNotSupportedError, match=f"{which} requires grad.*{REMEDY}"):
-        fn(**t, backend="torch")
+    with pytest.raises(GradientNotSupportedError, match=f"{which} requires grad.*no backward.*{REMEDY}"):
+        fused_moe_op(**t, backend="torch")
     with torch.no_grad():
-        a = fn(**t, backend="torch")
+        a = fused_moe_op(**t, backend="torch")
     with torch.inference_mode():
-        b = fn(**t, backend="torch")
+        b = fused_moe_op(**t, backend="torch")
     assert torch.equal(a, b) and not a.requires_grad
 
 
-def test_layer_with_trainable_weights_or_router():
+@pytest.mark.parametrize("which", ["hidden_states", "w1", "w2", "topk_weights"])
+def test_fused_moe_builds_the_graph_and_matches_no_grad(which):
+    t = _inputs((which,))
+    out = fused_moe(**t, backend="torch")
+    assert out.requires_grad
+    out.sum().backward()
+    assert t[which].grad is not None and torch.isfinite(t[which].grad).all()
+    with torch.no_grad():
+        assert torch.equal(fused_moe(**t, backend="torch"), out.detach())
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="the fp8 experts run on CPU tensors only under the interpreter")
+def test_quantized_calls_refuse_gradients():
+    from fusedmoe.quant import quantize_weights
+
+    t = _inputs(())
+    q1, q2, s1, s2 = quantize_weights(t["w1"], t["w2"], "fp8_tensor")
+    t.update(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2)
+    t["hidden_states"].requires_grad_(True)
+    with pytest.raises(GradientNotSupportedError, match="fp8-quantized calls have no backward"):
+        fused_moe(**t, quant="fp8_tensor", backend="triton")
+
+
+def test_layer_trains_only_when_asked():
     layer = FusedMoE(4, 2, 16, 8, backend="torch")
     x = torch.randn(3, 16)
-    layer(x)  # inference weights (requires_grad=False) and an input without grad: fine
+    assert not layer(x).requires_grad  # inference weights (requires_grad=False), an input without grad
     layer.gate.requires_grad_(True)
-    with pytest.raises(GradientNotSupportedError, match="FusedMoE: gate requires grad"):
-        layer(x)
+    out = layer(x)
+    assert out.requires_grad
+    out.sum().backward()
+    assert layer.gate.grad is not None and layer.w1.grad is None
     with torch.no_grad():
-        layer(x)
-    layer.gate.requires_grad_(False)
-    with pytest.raises(GradientNotSupportedError, match="hidden_states requires grad"):
-        layer(x.requires_grad_(True))
+        torch.testing.assert_close(layer(x), out.detach(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("how", ["experts_interface", "patch_model"])
-def test_transformers_training_forward_raises(how):
+def test_patch_model_refuses_training():
     pytest.importorskip("transformers")
     from hf_tiny import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from fusedmoe.integrations.hf import patch_model, register
+    from fusedmoe.integrations.hf import patch_model
 
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
-    if how == "experts_interface":
-        register()
-        model.set_experts_implementation("fusedmoe")
-    else:
-        patch_model(model)
+    patch_model(model)
     ids = torch.randint(0, 128, (1, 6))
     model.train()
     with pytest.raises(GradientNotSupportedError, match=REMEDY):

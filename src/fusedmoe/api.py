@@ -121,7 +121,9 @@ def fused_moe(
             Both in hidden_states' dtype (gpt-oss; see fusedmoe.integrations.loading for its weight conversion).
 
     Returns:
-        A new tensor [M, H] in hidden_states' dtype (never a view of the workspace).
+        A new tensor [M, H] in hidden_states' dtype (never a view of the workspace). Differentiable: when
+        autograd records and any of hidden_states, w1, w2, topk_weights or the biases requires grad, the
+        backward (:mod:`fusedmoe.training`) gives their gradients (not for fp8-quantized calls).
     """
     tensors = (
         hidden_states,
@@ -149,9 +151,10 @@ def fused_moe(
                 verdict = key = None
             if verdict is not None:
                 p, kernel, manager = verdict
-                if torch.is_grad_enabled():
-                    _forbid_gradients(*tensors)
-                return kernel(ExpertsInputs(*tensors[:6], None, *tensors[6:]), p, manager=manager, layout_key=sig)
+                x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
+                if torch.is_grad_enabled() and _wants_grad(*tensors):
+                    return _differentiable(kernel, x, p, manager, sig)
+                return kernel(x, p, manager=manager, layout_key=sig)
     p = check_fused_moe_args(
         *tensors[:5],
         activation=activation,
@@ -167,13 +170,14 @@ def fused_moe(
         w1_bias=w1_bias,
         w2_bias=w2_bias,
     )
-    _forbid_gradients(*tensors)
     kernel, manager = resolve(p, hidden_states.device, backend, workspace)
     if key is not None:
         if len(_VERDICTS) > 4096:  # bounded under shape churn
             _VERDICTS.clear()
         _VERDICTS[key] = (p, kernel, manager)
     x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
+    if torch.is_grad_enabled() and _wants_grad(*tensors):
+        return _differentiable(kernel, x, p, manager, sig, workspace13, workspace2)
     return kernel(x, p, manager=manager, workspace13=workspace13, workspace2=workspace2, layout_key=sig)
 
 
@@ -181,19 +185,57 @@ def fused_moe(
 _VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, WorkspaceManager]] = {}
 
 
-def _forbid_gradients(
+def _wants_grad(
     hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
-) -> None:
-    forbid_gradients(
-        "fused_moe",
-        hidden_states=hidden_states,
-        w1=w1,
-        w2=w2,
-        topk_weights=topk_weights,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
+) -> bool:
+    """Whether any differentiable input requires grad (autograd is recording: the caller checked)."""
+    for t in (hidden_states, w1, w2, topk_weights, w1_bias, w2_bias, w1_scale, w2_scale, a1_scale, a2_scale):
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def _differentiable(
+    kernel: MoEKernel,
+    x: ExpertsInputs,
+    p: MoEProblem,
+    manager: WorkspaceManager,
+    layout_key=None,
+    workspace13: torch.Tensor | None = None,
+    workspace2: torch.Tensor | None = None,
+    owner: object = None,
+) -> torch.Tensor:
+    """The call of ``p`` on ``x`` with autograd: the same forward, a backward for the inputs that require grad
+    (:mod:`fusedmoe.training`). Quantized calls and gradients of scales are refused."""
+    if p.quant is not None:
+        forbid_gradients(
+            "fused_moe",
+            "fp8-quantized calls have no backward (train in bf16/fp16/float32)",
+            hidden_states=x.hidden_states,
+            w1=x.w1,
+            w2=x.w2,
+            topk_weights=x.topk_weights,
+            w1_bias=x.w1_bias,
+            w2_bias=x.w2_bias,
+            w1_scale=x.w1_scale,
+            w2_scale=x.w2_scale,
+            a1_scale=x.a1_scale,
+            a2_scale=x.a2_scale,
+        )
+    from .training import BackwardSettings, differentiable_moe
+
+    backend = kernel.experts.name
+    settings = BackwardSettings(
+        p.activation, p.apply_router_weight_on_input, p.global_E, backend, p, manager if backend == "triton" else None, owner
+    )
+
+    def forward() -> torch.Tensor:
+        return kernel(
+            x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2, layout_key=layout_key
+        )
+
+    return differentiable_moe(
+        forward, settings, x.hidden_states, x.w1, x.w2, x.topk_weights, x.topk_ids, x.expert_map, x.w1_bias, x.w2_bias
     )
 
 
@@ -225,20 +267,25 @@ def run_problem(
 ) -> torch.Tensor:
     """Run a validated problem through the chosen backend's kernel (the registered op's eager implementation).
 
-    Raises GradientNotSupportedError when autograd would need a gradient of the result."""
-    _forbid_gradients(
-        x.hidden_states,
-        x.w1,
-        x.w2,
-        x.topk_weights,
-        x.topk_ids,
-        x.expert_map,
-        x.w1_scale,
-        x.w2_scale,
-        x.a1_scale,
-        x.a2_scale,
-        x.w1_bias,
-        x.w2_bias,
-    )
+    Differentiable like :func:`fused_moe` when autograd is recording and an input requires grad."""
     kernel, manager = resolve(p, x.hidden_states.device, backend, workspace)
+    if torch.is_grad_enabled() and _wants_grad(*(getattr(x, n) for n in _FUSED_MOE_TENSORS)):
+        return _differentiable(kernel, x, p, manager, None, workspace13, workspace2, owner)
     return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)
+
+
+#: The ExpertsInputs fields in fused_moe's tensor order.
+_FUSED_MOE_TENSORS = (
+    "hidden_states",
+    "w1",
+    "w2",
+    "topk_weights",
+    "topk_ids",
+    "expert_map",
+    "w1_scale",
+    "w2_scale",
+    "a1_scale",
+    "a2_scale",
+    "w1_bias",
+    "w2_bias",
+)

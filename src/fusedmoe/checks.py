@@ -20,20 +20,21 @@ CHECK_LEVELS = ("basic", "full")
 
 
 class GradientNotSupportedError(RuntimeError):
-    """A fusedmoe call was asked for a gradient: it computes forward passes only (so far)."""
+    """A fusedmoe call was asked for a gradient it cannot compute (fp8-quantized calls, scales, expert
+    parallelism)."""
 
 
-def forbid_gradients(where: str, **tensors: torch.Tensor | None) -> None:
+def forbid_gradients(where: str, reason: str, **tensors: torch.Tensor | None) -> None:
     """Raise :class:`GradientNotSupportedError` when autograd is recording and any of ``tensors`` requires grad:
-    the result would carry no gradient, and a silently missing gradient is a wrong answer."""
+    the result would carry no gradient, and a silently missing gradient is a wrong answer. ``reason`` says why
+    this call has no backward."""
     if not torch.is_grad_enabled():
         return
     needing = [name for name, t in tensors.items() if t is not None and t.requires_grad]
     if needing:
         raise GradientNotSupportedError(
-            f"{where}: {', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad, but fusedmoe has no "
-            "backward pass yet. For inference run under torch.no_grad() or torch.inference_mode() (or set "
-            "requires_grad=False on the weights); to train, use transformers' default experts implementation."
+            f"{where}: {', '.join(needing)} require{'s' if len(needing) == 1 else ''} grad, but {reason}. For "
+            "inference run under torch.no_grad() or torch.inference_mode() (or set requires_grad=False)."
         )
 
 

@@ -260,8 +260,8 @@ class FusedMoE(nn.Module):
     def _run_validated(self, verdict, sig, hidden_states, router_logits) -> torch.Tensor:
         p, kernel, manager, router = verdict
         P = self._parameters
-        if torch.is_grad_enabled():
-            self._forbid_gradients(hidden_states, router_logits)
+        if torch.is_grad_enabled() and self._wants_grad(hidden_states, router_logits):
+            return self._forward_train(hidden_states, router_logits)
         x = hidden_states.reshape(p.M, p.H)
         if router_logits is None:
             router_logits = F.linear(x, P["gate"], P["gate_bias"])
@@ -310,18 +310,47 @@ class FusedMoE(nn.Module):
 
         return router
 
-    def _forbid_gradients(self, x, router_logits) -> None:
-        forbid_gradients(
-            "FusedMoE",
-            hidden_states=x,
-            router_logits=router_logits,
-            w1=self.w1,
-            w2=self.w2,
-            gate=self.gate if router_logits is None else None,
-            gate_bias=self.gate_bias,
+    def _wants_grad(self, x, router_logits) -> bool:
+        """Whether autograd needs this forward's graph: an input or a parameter requires grad."""
+        return any(t is not None and t.requires_grad for t in (x, router_logits, *self.parameters()))
+
+    def _forward_train(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
+        """The forward with autograd: routing in differentiable torch ops (:meth:`route`), the experts through
+        :func:`fusedmoe.fused_moe` (its backward: :mod:`fusedmoe.training`), the shared experts as modules.
+
+        Gradients reach the inputs, ``w1``, ``w2``, the biases, ``gate`` / ``gate_bias`` (through the routing
+        weights) and the shared experts. Expert-parallel layers do not train (GradientNotSupportedError); a
+        batched-layout layer trains through the standard layout (the same function)."""
+        if self._parallel is not None and self._parallel.world > 1:
+            forbid_gradients(
+                "FusedMoE",
+                "expert-parallel layers have no backward (train with ep_group=None)",
+                hidden_states=hidden_states,
+                router_logits=router_logits,
+                **dict(self.named_parameters()),
+            )
+        x = hidden_states.reshape(-1, self.hidden_size)
+        topk_weights, topk_ids = self.route(x, router_logits)
+        from .api import fused_moe
+
+        out = fused_moe(
+            x,
+            self.w1,
+            self.w2,
+            topk_weights,
+            topk_ids,
+            activation=self.activation,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            expert_map=self._buffers.get("expert_map"),
+            global_num_experts=self.num_experts if self._buffers.get("expert_map") is not None else None,
+            workspace=self.workspace,
+            backend=self.backend,
             w1_bias=self.w1_bias,
             w2_bias=self.w2_bias,
         )
+        if self.num_shared_experts:
+            out = out + self.shared_experts(x)
+        return out.view(hidden_states.shape)
 
     def _forward_checked(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(hidden_states, torch.Tensor):
@@ -350,7 +379,16 @@ class FusedMoE(nn.Module):
             raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
-        self._forbid_gradients(x, router_logits)
+        if torch.is_grad_enabled() and self._wants_grad(x, router_logits):
+            if torch.compiler.is_compiling():
+                forbid_gradients(
+                    "FusedMoE under torch.compile",
+                    "the registered op (what torch.compile sees) has no backward; train eagerly",
+                    hidden_states=hidden_states,
+                    router_logits=router_logits,
+                    **dict(self.named_parameters()),
+                )
+            return self._forward_train(hidden_states, router_logits)
         if torch.compiler.is_compiling() and self._parallel is None:
             # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op

@@ -219,6 +219,7 @@ def fused_moe_op(
 
     forbid_gradients(
         "fused_moe_op",
+        "the registered op (what torch.compile sees) has no backward; train eagerly",
         hidden_states=hidden_states,
         w1=w1,
         w2=w2,

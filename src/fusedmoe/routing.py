@@ -202,6 +202,8 @@ def route(
         ``(topk_weights, topk_ids)``: float32 ``[M, top_k]`` and int32 ``[M, top_k]``, both contiguous, on
         ``router_logits.device``; per token in descending order of the choice score (ties as torch.topk).
         Ids are distinct and in ``[0, E)`` and weights finite for any logits (non-finite ones: module docs).
+        The weights are differentiable in ``router_logits`` (and the scores) when autograd records: such calls
+        take the torch code on every device.
 
     Model settings (see :data:`ROUTING_PRESETS`):
         * Qwen3-MoE, Mixtral: ``scoring="softmax", renormalize=True``.
@@ -226,7 +228,8 @@ def route(
         routed_scaling_factor,
     )
     E = router_logits.shape[1]
-    if router_logits.is_cuda and fused_routing_applies(E, top_k, num_expert_groups, topk_groups):
+    needs_graph = router_logits.requires_grad and torch.is_grad_enabled()  # the fused kernel has no backward
+    if router_logits.is_cuda and not needs_graph and fused_routing_applies(E, top_k, num_expert_groups, topk_groups):
         from .ops.routing import route_fused
 
         return route_fused(

@@ -334,14 +334,14 @@ def fusedmoe_experts_forward(
     x = hidden_states
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
-    if torch.is_grad_enabled():
+    if torch.compiler.is_compiling():
         forbid_gradients(
-            f"{type(self).__name__} (experts_implementation='fusedmoe')",
+            f"{type(self).__name__} (experts_implementation='fusedmoe') under torch.compile",
+            "the registered op (what torch.compile sees) has no backward; train eagerly",
             hidden_states=hidden_states,
             top_k_weights=top_k_weights,
             **{n: getattr(self, n, None) for n in _EXPERT_PARAMS},
         )
-    if torch.compiler.is_compiling():
         out = fused_moe_op(
             x,
             w1,
@@ -574,7 +574,10 @@ class FusedMoEBlock(nn.Module):
         router = _router_of(self, model_type)
         if torch.is_grad_enabled():
             forbid_gradients(
-                f"patched {model_type} MoE block", hidden_states=hidden_states, **dict(self.named_parameters())
+                f"patched {model_type} MoE block",
+                "patch_model does not train yet (the experts interface does)",
+                hidden_states=hidden_states,
+                **dict(self.named_parameters()),
             )
         if _observed(router):
             logits = router(hidden_states if model_type.startswith("deepseek") else x)[0]
