@@ -1,6 +1,6 @@
-"""No silent gradient drop: entry points without a backward raise a typed error naming the remedy when autograd
-would need a gradient of their result (and run as before under no_grad / inference mode); the ones with a
-backward (fused_moe, FusedMoE, the experts interface) build the graph."""
+"""No silent gradient drop: calls without a backward (fp8, patch_model for now) raise a typed error naming the
+remedy when autograd would need a gradient of their result (and run as before under no_grad / inference mode);
+the others (fused_moe, the registered op, FusedMoE) build the graph."""
 
 from __future__ import annotations
 
@@ -30,26 +30,18 @@ def _inputs(requires=("hidden_states",)):
 
 
 @pytest.mark.parametrize("which", ["hidden_states", "w1", "w2", "topk_weights"])
-def test_registered_op_refuses_gradients(which):
+@pytest.mark.parametrize("fn", [fused_moe, fused_moe_op], ids=["fused_moe", "fused_moe_op"])
+def test_functional_entry_points_build_the_graph_and_match_no_grad(fn, which):
     t = _inputs((which,))
-    with pytest.raises(GradientNotSupportedError, match=f"{which} requires grad.*no backward.*{REMEDY}"):
-        fused_moe_op(**t, backend="torch")
-    with torch.no_grad():
-        a = fused_moe_op(**t, backend="torch")
-    with torch.inference_mode():
-        b = fused_moe_op(**t, backend="torch")
-    assert torch.equal(a, b) and not a.requires_grad
-
-
-@pytest.mark.parametrize("which", ["hidden_states", "w1", "w2", "topk_weights"])
-def test_fused_moe_builds_the_graph_and_matches_no_grad(which):
-    t = _inputs((which,))
-    out = fused_moe(**t, backend="torch")
+    out = fn(**t, backend="torch")
     assert out.requires_grad
     out.sum().backward()
     assert t[which].grad is not None and torch.isfinite(t[which].grad).all()
     with torch.no_grad():
-        assert torch.equal(fused_moe(**t, backend="torch"), out.detach())
+        a = fn(**t, backend="torch")
+    with torch.inference_mode():
+        b = fn(**t, backend="torch")
+    assert torch.equal(a, out.detach()) and torch.equal(b, a) and not a.requires_grad
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="the fp8 experts run on CPU tensors only under the interpreter")
@@ -60,8 +52,9 @@ def test_quantized_calls_refuse_gradients():
     q1, q2, s1, s2 = quantize_weights(t["w1"], t["w2"], "fp8_tensor")
     t.update(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2)
     t["hidden_states"].requires_grad_(True)
-    with pytest.raises(GradientNotSupportedError, match="fp8-quantized calls have no backward"):
-        fused_moe(**t, quant="fp8_tensor", backend="triton")
+    for fn in (fused_moe, fused_moe_op):
+        with pytest.raises(GradientNotSupportedError, match=f"fp8-quantized calls have no backward.*{REMEDY}"):
+            fn(**t, quant="fp8_tensor", backend="triton")
 
 
 def test_layer_trains_only_when_asked():

@@ -225,8 +225,9 @@ def _differentiable(
     from .training import BackwardSettings, differentiable_moe
 
     backend = kernel.experts.name
+    triton_manager = manager if backend == "triton" else None  # the torch backward takes no scratch
     settings = BackwardSettings(
-        p.activation, p.apply_router_weight_on_input, p.global_E, backend, p, manager if backend == "triton" else None, owner
+        p.activation, p.apply_router_weight_on_input, p.global_E, backend, p, triton_manager, owner
     )
 
     def forward() -> torch.Tensor:

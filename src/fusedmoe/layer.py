@@ -380,15 +380,16 @@ class FusedMoE(nn.Module):
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
         if torch.is_grad_enabled() and self._wants_grad(x, router_logits):
-            if torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling():
+                return self._forward_train(hidden_states, router_logits)
+            if self._parallel is not None:  # compiled local layers train through the differentiable op below
                 forbid_gradients(
                     "FusedMoE under torch.compile",
-                    "the registered op (what torch.compile sees) has no backward; train eagerly",
+                    "expert-parallel and batched-layout layers train only eagerly",
                     hidden_states=hidden_states,
                     router_logits=router_logits,
                     **dict(self.named_parameters()),
                 )
-            return self._forward_train(hidden_states, router_logits)
         if torch.compiler.is_compiling() and self._parallel is None:
             # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op

@@ -14,6 +14,10 @@ inside the op) and what the fake implementation describes: a fresh ``[M, H]`` te
 A :class:`~fusedmoe.workspace.manager.WorkspaceManager` cannot cross the op boundary, so it is passed by a
 small integer id (:func:`workspace_id`; -1 = the device's default manager). Ids are held weakly.
 
+Autograd: the op is differentiable (``register_autograd``) in hidden_states, w1, w2, topk_weights and the biases;
+its backward is the registered op ``torch.ops.fusedmoe.fused_moe_backward`` (the same backward as
+:func:`fusedmoe.fused_moe`'s, :mod:`fusedmoe.training`), so a compiled training step keeps both opaque.
+
 CUDA graphs: the op adds no host sync of its own; with the Triton backend and a reserved, frozen arena a
 captured call replays with new inputs (see tests/test_gpu_hf.py).
 """
@@ -187,6 +191,101 @@ def _fused_moe_fake(
     return hidden_states.new_empty(hidden_states.shape)
 
 
+# ---- autograd of the registered op: its backward is a registered op too, so compiled graphs train -------------------
+_GRAD_NAMES = ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")
+
+
+@torch.library.custom_op("fusedmoe::fused_moe_backward", mutates_args=())
+def _fused_moe_backward_impl(
+    grad_out: Tensor,
+    hidden_states: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w1_bias: Tensor | None,
+    w2_bias: Tensor | None,
+    expert_map: Tensor | None,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    global_num_experts: int,
+    backend: str,
+    workspace_id: int,
+    owner: str,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from .api import resolve
+    from .checks import check_fused_moe_args
+    from .training import BackwardSettings
+    from .training.function import moe_backward
+
+    p = check_fused_moe_args(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=None if global_num_experts < 0 else global_num_experts,
+        quant=None,
+        w1_scale=None,
+        w2_scale=None,
+        a1_scale=None,
+        a2_scale=None,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+    )
+    kernel, manager = resolve(p, hidden_states.device, backend, lookup_workspace(workspace_id))
+    name = kernel.experts.name
+    settings = BackwardSettings(
+        activation, apply_router_weight_on_input, p.global_E, name, p, manager if name == "triton" else None, owner
+    )
+    grads = moe_backward(
+        settings, tuple(needs), grad_out, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias
+    )
+    # a custom op's outputs may not alias each other: one empty placeholder per gradient nobody asked for
+    return tuple(
+        getattr(grads, n) if getattr(grads, n) is not None else hidden_states.new_empty(0) for n in _GRAD_NAMES
+    )
+
+
+@_fused_moe_backward_impl.register_fake
+def _fused_moe_backward_fake(
+    grad_out, hidden_states, w1, w2, topk_weights, topk_ids, w1_bias, w2_bias, expert_map, *settings_and_needs
+):
+    needs = settings_and_needs[-1]
+    like = (hidden_states, w1, w2, topk_weights, w1_bias, w2_bias)
+    return tuple(
+        t.new_empty(t.shape) if want and t is not None else hidden_states.new_empty(0) for t, want in zip(like, needs)
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (x, w1, w2, tw, ids, b1, b2, activation, on_input, global_E, emap, quant, *_, backend, ws_id, owner) = inputs
+    ctx.save_for_backward(x, w1, w2, tw, ids, b1, b2, emap)
+    ctx.settings = (activation, on_input, global_E, backend, ws_id, owner)
+    ctx.quant = quant
+
+
+def _backward(ctx, grad_out):
+    x, w1, w2, tw, ids, b1, b2, emap = ctx.saved_tensors
+    if ctx.quant is not None:
+        from .checks import GradientNotSupportedError
+
+        raise GradientNotSupportedError("fused_moe_op: fp8-quantized calls have no backward")
+    n = ctx.needs_input_grad
+    needs = [n[0], n[1], n[2], n[3], n[5] and b1 is not None, n[6] and b2 is not None]
+    grads = torch.ops.fusedmoe.fused_moe_backward(grad_out, x, w1, w2, tw, ids, b1, b2, emap, *ctx.settings, needs)
+    dx, dw1, dw2, dtw, db1, db2 = (g if want else None for g, want in zip(grads, needs))
+    # one entry per input of the op (19): the differentiable tensors in their positions, None for the rest
+    return dx, dw1, dw2, dtw, None, db1, db2, *([None] * 12)
+
+
+_fused_moe_impl.register_autograd(_backward, setup_context=_setup_context)
+
+
 def fused_moe_op(
     hidden_states: Tensor,
     w1: Tensor,
@@ -215,18 +314,19 @@ def fused_moe_op(
     ``quant`` may be a QuantConfig or a mode name. ``owner`` keys the arena with the ``per_layer`` strategy.
     Use it under ``torch.compile`` (FusedMoE does so automatically) or to measure the op's host cost.
     """
-    from .checks import forbid_gradients
+    if quant is not None:
+        from .checks import forbid_gradients
 
-    forbid_gradients(
-        "fused_moe_op",
-        "the registered op (what torch.compile sees) has no backward; train eagerly",
-        hidden_states=hidden_states,
-        w1=w1,
-        w2=w2,
-        topk_weights=topk_weights,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-    )
+        forbid_gradients(
+            "fused_moe_op",
+            "fp8-quantized calls have no backward (train in bf16/fp16/float32)",
+            hidden_states=hidden_states,
+            w1=w1,
+            w2=w2,
+            topk_weights=topk_weights,
+            w1_bias=w1_bias,
+            w2_bias=w2_bias,
+        )
     if quant is not None and not isinstance(quant, str):
         if tuple(quant.block_shape) != (128, 128) and quant.mode == "fp8_block":
             raise ValueError("fused_moe_op supports fp8_block with the default 128x128 block shape only")

@@ -335,13 +335,6 @@ def fusedmoe_experts_forward(
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
     if torch.compiler.is_compiling():
-        forbid_gradients(
-            f"{type(self).__name__} (experts_implementation='fusedmoe') under torch.compile",
-            "the registered op (what torch.compile sees) has no backward; train eagerly",
-            hidden_states=hidden_states,
-            top_k_weights=top_k_weights,
-            **{n: getattr(self, n, None) for n in _EXPERT_PARAMS},
-        )
         out = fused_moe_op(
             x,
             w1,

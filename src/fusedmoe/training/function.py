@@ -63,58 +63,72 @@ class _MoEFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
-        s: BackwardSettings = ctx.settings
         needs = tuple(ctx.needs_input_grad[i] for i in _DIFFERENTIABLE)
-        if s.backend == "triton":
-            from .triton_backward import BackwardInputs
-
-            inputs = BackwardInputs(
-                *(_rows(t) for t in (x, w1, w2)),
-                topk_weights.contiguous(),
-                topk_ids,
-                expert_map,
-                *(_rows(t) for t in (w1_bias, w2_bias)),
-                grad_out.contiguous(),
-            )
-            grads = _triton_backward()(inputs, s.problem, needs, s.manager, s.owner)
-            return _as_inputs(grads)
-        grads: MoEGradients = moe_backward_torch(
-            grad_out.contiguous(),
-            x,
-            w1,
-            w2,
-            topk_weights,
-            topk_ids,
-            activation=s.activation,
-            apply_router_weight_on_input=s.apply_router_weight_on_input,
-            expert_map=expert_map,
-            global_num_experts=s.global_num_experts,
-            w1_bias=w1_bias,
-            w2_bias=w2_bias,
-            needs=needs,
+        grads = moe_backward(
+            ctx.settings, needs, grad_out, x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias
         )
-        return _as_inputs(grads)
+        return (
+            None,
+            None,
+            grads.hidden_states,
+            grads.w1,
+            grads.w2,
+            grads.topk_weights,
+            None,
+            None,
+            grads.w1_bias,
+            grads.w2_bias,
+        )
+
+
+def moe_backward(
+    settings: BackwardSettings,
+    needs: tuple[bool, bool, bool, bool, bool, bool],
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w1_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+) -> MoEGradients:
+    """Gradients of one MoE call for ``grad_out`` [M, H]; ``needs`` flags (hidden_states, w1, w2, topk_weights,
+    w1_bias, w2_bias). The Triton backward when ``settings.backend`` is "triton", the torch backward otherwise."""
+    s = settings
+    if s.backend == "triton":
+        from .triton_backward import BackwardInputs
+
+        inputs = BackwardInputs(
+            *(_rows(t) for t in (x, w1, w2)),
+            topk_weights.contiguous(),
+            topk_ids,
+            expert_map,
+            *(_rows(t) for t in (w1_bias, w2_bias)),
+            grad_out.contiguous(),
+        )
+        return _triton_backward()(inputs, s.problem, needs, s.manager, s.owner)
+    return moe_backward_torch(
+        grad_out.contiguous(),
+        x,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=s.activation,
+        apply_router_weight_on_input=s.apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=s.global_num_experts,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+        needs=needs,
+    )
 
 
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` contiguous along its last dimension (what the Triton backward kernels address)."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
-def _as_inputs(grads: MoEGradients) -> tuple:
-    """The Function's gradient tuple, one entry per input of :meth:`_MoEFunction.forward`."""
-    return (
-        None,
-        None,
-        grads.hidden_states,
-        grads.w1,
-        grads.w2,
-        grads.topk_weights,
-        None,
-        None,
-        grads.w1_bias,
-        grads.w2_bias,
-    )
 
 
 def differentiable_moe(
