@@ -249,17 +249,17 @@ def _moe_wgrad(
         slot64 = tl.where(ok, slot, 0).to(tl.int64)
         ra = slot64 // top_k if A_BY_TOKEN else slot64
         rb = slot64 // top_k if B_BY_TOKEN else slot64
-        at = tl.load(a_ptr + ra[None, :] * stride_am + offs_n[:, None], mask=n_ok[:, None] & ok[None, :], other=0.0)
-        bt = tl.load(b_ptr + rb[:, None] * stride_bm + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + ra[:, None] * stride_am + offs_n[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         if SCALE == 1:
             w = tl.load(topk_w_ptr + slot64, mask=ok, other=0.0).to(tl.float32)
-            at = (at.to(tl.float32) * w[None, :]).to(a_ptr.dtype.element_ty)
+            a = (a.to(tl.float32) * w[:, None]).to(a_ptr.dtype.element_ty)
         if SCALE == 2:
             w = tl.load(topk_w_ptr + slot64, mask=ok, other=0.0).to(tl.float32)
-            bt = (bt.to(tl.float32) * w[:, None]).to(b_ptr.dtype.element_ty)
-        acc = _mma(at, bt, acc, IEEE)
+            b = (b.to(tl.float32) * w[:, None]).to(b_ptr.dtype.element_ty)
+        acc = _mma(tl.trans(a), b, acc, IEEE)
         if HAS_BIAS_OUT:
-            col += tl.sum(at.to(tl.float32), 1)
+            col += tl.sum(a.to(tl.float32), 0)
     o_ptrs = out_ptr + e.to(tl.int64) * stride_oe + offs_n[:, None] * stride_on + offs_k[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
     if HAS_BIAS_OUT:

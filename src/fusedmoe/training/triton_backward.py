@@ -45,15 +45,26 @@ class BackwardInputs:
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and launch settings of one backward kernel: BLOCK_N, BLOCK_K (both powers of two >= 16)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
 class BackwardLaunch:
     """Tile choices of one backward call and which gradients it computes (hidden_states, w1, w2, topk_weights,
-    w1_bias, w2_bias)."""
+    w1_bias, w2_bias). ``block_m`` is the alignment's block: the M tile of ``bwd_act`` and ``dx_slots`` and the K
+    step of the weight-gradient GEMMs."""
 
     block_m: int
     align: AlignParams
     num_blocks: int
-    act_tile: tuple[int, int]  # (BLOCK_N over I, BLOCK_K over H) of bwd_act
-    wgrad_tile: tuple[int, int]
+    act: Tiles  # BLOCK_N over I, BLOCK_K over H
+    wgrad: Tiles  # BLOCK_N, BLOCK_K of the [N, K] output tile
     dx: GemmConfig
     ieee: bool
     needs: tuple[bool, bool, bool, bool, bool, bool]
@@ -68,16 +79,41 @@ def _pow2_between(n: int, lo: int, hi: int) -> int:
     return p
 
 
+#: Tile choices pinned by :func:`pin_backward_tiles` (the tuning sweep); None: the heuristic below.
+_PINNED: dict[str, object] = {}
+
+
+def pin_backward_tiles(**tiles) -> None:
+    """Pin ``block_m`` (int), ``act`` / ``wgrad`` (:class:`Tiles`) or ``dx`` (GemmConfig) for later calls;
+    no arguments unpins all. For tuning sweeps."""
+    if not tiles:
+        _PINNED.clear()
+    _PINNED.update(tiles)
+
+
 def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False) -> BackwardLaunch:
-    """Tiles by rows per expert (the forward heuristic's breakpoints) and the problem's widths."""
+    """Tiles by rows per expert, from the H200 sweep of ``scripts/train_tune.py`` (BENCHMARKS.md, training), clamped
+    to the problem's widths."""
     rows = p.slots / max(p.E, 1)
-    block_m = 16 if rows <= 16 else 32 if rows <= 64 else 64
+    block_m = _PINNED.get("block_m") or (16 if rows <= 16 else 32 if rows <= 64 else 64)
     ap = align_params(p.slots, p.E, block_m)
-    act_tile = (_pow2_between(p.I, 16, 64), _pow2_between(p.H, 16, 64))
-    wgrad_tile = (_pow2_between(max(p.H, 2 * p.I), 16, 64), _pow2_between(max(p.H, p.I), 16, 64))
-    dx = GemmConfig(block_m, _pow2_between(p.H, 16, 128), _pow2_between(2 * p.I, 16, 64), 8, 4, 3)
+    wide_n, wide_k = max(p.H, 2 * p.I), max(p.H, p.I)  # the weight gradients' output widths
+    if rows > 256:
+        wgrad = Tiles(_pow2_between(wide_n, 16, 128), _pow2_between(wide_k, 16, 256), 8, 3)
+        dx = GemmConfig(block_m, _pow2_between(p.H, 16, 256), _pow2_between(2 * p.I, 16, 64), 8, 8, 3)
+    elif rows > 64:
+        wgrad = Tiles(_pow2_between(wide_n, 16, 128), _pow2_between(wide_k, 16, 128), 8, 3)
+        dx = GemmConfig(block_m, _pow2_between(p.H, 16, 128), _pow2_between(2 * p.I, 16, 64), 8, 4, 3)
+    else:
+        wgrad = Tiles(_pow2_between(wide_n, 16, 64), _pow2_between(wide_k, 16, 64), 4, 3)
+        dx = GemmConfig(block_m, _pow2_between(p.H, 16, 128), _pow2_between(2 * p.I, 16, 64), 8, 4, 3)
+    act = Tiles(_pow2_between(p.I, 16, 64), _pow2_between(p.H, 16, 64), 8 if rows > 64 else 4, 3)
+    act, wgrad = _PINNED.get("act") or act, _PINNED.get("wgrad") or wgrad
+    dx = _PINNED.get("dx") or dx
+    if dx.block_m != block_m:
+        dx = GemmConfig(block_m, dx.block_n, dx.block_k, dx.group_m, dx.num_warps, dx.num_stages)
     return BackwardLaunch(
-        block_m, ap, grid_blocks(p.slots, ap.max_blocks), act_tile, wgrad_tile, dx, ieee, tuple(map(bool, needs))
+        block_m, ap, grid_blocks(p.slots, ap.max_blocks), act, wgrad, dx, ieee, tuple(map(bool, needs))
     )
 
 
@@ -120,8 +156,8 @@ def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
         top_k=p.top_k,
         num_blocks=L.num_blocks,
         block_m=L.block_m,
-        block_n=L.act_tile[0],
-        block_k=L.act_tile[1],
+        block_n=L.act.block_n,
+        block_k=L.act.block_k,
         activation=p.activation,
         apply_router_weight_on_input=p.apply_router_weight_on_input,
         w1_bias=x.w1_bias,
@@ -129,6 +165,8 @@ def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
         act=act,
         dw_partial=dw_partial,
         fp32_ieee=L.ieee,
+        num_warps=L.act.num_warps,
+        num_stages=L.act.num_stages,
     )
 
 
@@ -147,9 +185,11 @@ def _wgrad(c, a, b, out, bias_out, sorted_ids, expert_ranges, *, a_by_token, b_b
         topk_weights=c.x.topk_weights,
         scale=scale,
         bias_out=bias_out,
-        block_n=L.wgrad_tile[0],
-        block_k=L.wgrad_tile[1],
+        block_n=L.wgrad.block_n,
+        block_k=L.wgrad.block_k,
         fp32_ieee=L.ieee,
+        num_warps=L.wgrad.num_warps,
+        num_stages=L.wgrad.num_stages,
     )
 
 
@@ -240,7 +280,7 @@ def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
         buffers.append(BufferSpec("act", (S, I), dt))
         steps.append(_dw2)
     if need_w:
-        buffers.append(BufferSpec("dw_partial", (bwd_act_tiles(I, L.act_tile[0]), S), torch.float32))
+        buffers.append(BufferSpec("dw_partial", (bwd_act_tiles(I, L.act.block_n), S), torch.float32))
         steps.append(_dweights)
     if need_x:
         buffers.append(BufferSpec("dx_slots", (S, H), dt))
