@@ -1,4 +1,4 @@
-"""`fusedmoe bench train` on the CPU: tiny shapes, the properties the GPU run reports."""
+"""`fusedmoe bench train` and `fusedmoe demo --train` on the CPU: tiny shapes, the properties the GPU run reports."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from fusedmoe.tools import cli
+from fusedmoe.tools import cli, train_demo
 from fusedmoe.tools.bench import train
 
 pytest.importorskip("transformers")
@@ -66,3 +66,16 @@ def test_bench_rejects_unknown_names():
         cli.main(["bench", "train", "--cpu", "--tiny", "--impls", "fusedmoe,nope"])
     with pytest.raises(SystemExit):
         cli.main(["bench", "train", "--cpu", "--tiny", "--shapes", "nope"])
+
+
+def test_train_demo_loss_decreases():
+    result = train_demo.run(steps=5, batch=1, seq=32, progress=lambda _: None)
+    losses = result["losses"]
+    assert len(losses) == 5 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert losses[0] == pytest.approx(result["loss_transformers"], rel=1e-5)  # fusedmoe's experts = transformers'
+    assert result["tokens_per_s"] > 0 and result["peak_mb"] > 0
+
+
+def test_demo_train_cli():
+    assert cli.main(["demo", "--train", "--steps", "3", "--seq", "16"]) == 0

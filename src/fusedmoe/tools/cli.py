@@ -174,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_arguments(bench: argparse.ArgumentParser, demo: argparse.ArgumentParser) -> None:
+    from . import train_demo
     from .bench import train
 
     train.add_arguments(bench)
+    train_demo.add_arguments(demo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         return _info(args)
     if args.command == "demo":
-        from .demo import main as demo_main
+        if args.train:
+            from .train_demo import main as demo_main
+        else:
+            from .demo import main as demo_main
 
         return demo_main(args)
     return _bench(args)
