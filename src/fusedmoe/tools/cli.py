@@ -48,6 +48,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import model
 
         return model.main(args)
+    if args.mode == "train":
+        from .bench import train
+
+        return train.main(args)
     if args.cpu or not torch.cuda.is_available():
         return _bench_strategies_cpu(args)
     if args.route:
@@ -123,9 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         "mode",
         nargs="?",
         default="kernel",
-        choices=("kernel", "decode", "host", "model"),
+        choices=("kernel", "decode", "host", "model", "train"),
         help="kernel: one layer call per backend over a token sweep; decode: an L-layer stack per strategy; "
-        "host: host time per call and its stages; model: a transformers model per experts implementation",
+        "host: host time per call and its stages; model: a transformers model per experts implementation; "
+        "train: forward + backward of one layer per system (fusedmoe, transformers, Liger)",
     )
     bench.add_argument("--preset", default=None, help="model shape preset (see fusedmoe.tools.presets)")
     bench.add_argument("--e", type=int, help="number of experts")
@@ -164,7 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     demo.add_argument("--prompt", type=int, default=16, help="prompt length (random token ids)")
     demo.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    _add_train_arguments(bench, demo)
     return parser
+
+
+def _add_train_arguments(bench: argparse.ArgumentParser, demo: argparse.ArgumentParser) -> None:
+    from . import train_demo
+    from .bench import train
+
+    train.add_arguments(bench)
+    train_demo.add_arguments(demo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         return _info(args)
     if args.command == "demo":
-        from .demo import main as demo_main
+        if args.train:
+            from .train_demo import main as demo_main
+        else:
+            from .demo import main as demo_main
 
         return demo_main(args)
     return _bench(args)
