@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from ..problem import Routing
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,9 @@ class Preset:
 
     @property
     def routing(self) -> dict[str, object]:
-        """Keyword arguments of :func:`fusedmoe.routing.route` for this model."""
-        return {
-            "scoring": self.scoring,
-            "renormalize": self.renormalize,
-            "num_expert_groups": self.num_expert_groups,
-            "topk_groups": self.topk_groups,
-            "routed_scaling_factor": self.routed_scaling_factor,
-        }
+        """Keyword arguments of :func:`fusedmoe.routing.route` for this model: its router settings, which carry
+        the names of :class:`fusedmoe.problem.Routing`'s fields (that class says which of them route takes)."""
+        return Routing(**{f.name: getattr(self, f.name) for f in fields(Routing) if hasattr(self, f.name)}).kwargs()
 
     @property
     def experts_on_gpu(self) -> int:
