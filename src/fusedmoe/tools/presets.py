@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..layer import FusedMoE
 from ..problem import Routing
 
 
@@ -47,6 +48,13 @@ class Preset:
     @property
     def experts_on_gpu(self) -> int:
         return self.local_experts or self.num_experts
+
+    def routed_layer(self, **kwargs) -> FusedMoE:
+        """A randomly initialised FusedMoE of this model's routed experts (no shared experts) with its router
+        settings; ``kwargs`` go to :class:`fusedmoe.FusedMoE` (dtype, device, backend, workspace, layout, ...)."""
+        return FusedMoE(
+            self.num_experts, self.top_k, self.hidden_size, self.intermediate_size, **self.routing, **kwargs
+        )
 
 
 PRESETS: dict[str, Preset] = {
