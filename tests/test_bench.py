@@ -41,7 +41,7 @@ def test_decode_bench_properties_cpu():
 
 def test_strategy_table_cpu():
     """The CPU `make bench` table: one row per strategy (caller buffers included), all bit-identical."""
-    shape = strategies.StackShape(8, 2, 32, 16, 2)
+    shape = Preset("tiny", 8, 2, 32, 16, 2)
     res = strategies.run(shape, [1, 5], steps=2, device=torch.device("cpu"), dtype=torch.float32, backend="torch")
     assert [r["strategy"] for r in res] == ["alloc_zeros", "alloc_empty", "per_layer", "shared", "caller"]
     assert all(r["bit_identical"] in (None, True) for r in res)
