@@ -24,6 +24,7 @@ from ...layer import FusedMoE
 from ...workspace.manager import WorkspaceManager
 from ..presets import PRESETS, Preset
 from . import report
+from .timing import sync
 
 GRAPHS = "shared+graphs"
 STRATEGIES = ("alloc_zeros", "alloc_empty", "per_layer", "shared", GRAPHS)
@@ -59,11 +60,6 @@ def build_stack(cfg: Preset, device: torch.device, dtype: torch.dtype, backend: 
             layer.w1, layer.w2, layer.gate = src.w1, src.w2, src.gate
         layers.append(layer)
     return layers, distinct
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _allocator_allocs(device: torch.device) -> int:
@@ -166,17 +162,17 @@ def run(
 
         for M in sorted(set(sizes)):  # warm-up: every batch size once (compilation, configs)
             forward(inputs[M])
-        _sync(device)
+        sync(device)
         s0, a0 = manager.stats.as_dict(), _allocator_allocs(device)
         decode_t, prefill_t, host = [], [], []
         it = _progress(sizes, f"{strategy:<14}") if progress else sizes
         for M in it:
             x = inputs[M]
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             forward(x)
             t1 = time.perf_counter()
-            _sync(device)
+            sync(device)
             t2 = time.perf_counter()
             (prefill_t if M > GRAPH_BUCKETS[-1] else decode_t).append((t2 - t0) * 1e6)
             if M <= 64:

@@ -38,13 +38,9 @@ from ...ops import launcher
 from ...workspace.manager import WorkspaceManager
 from ..presets import Preset, get_preset
 from . import report
+from .timing import graph_time_us, sync
 
 COLUMNS = ["path", "backend", "M", "host us/call", "device us/call", "note"]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200) -> float:
@@ -54,19 +50,17 @@ def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200)
         fn()
     samples = []
     for _ in range(calls):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
-    _sync(device)
+    sync(device)
     return statistics.median(samples)
 
 
 def device_us(fn: Callable[[], object], device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    from .timing import graph_time_us
-
     return graph_time_us([fn] * 10)
 
 

@@ -15,15 +15,11 @@ from ...api import fused_moe
 from ...layer import FusedMoE
 from ...workspace.manager import STRATEGIES, WorkspaceManager
 from ..presets import Preset
+from .timing import sync
 
 CALLER = "caller"
 #: The stack's shape as the JSON result describes it (fields of the preset).
 SHAPE_FIELDS = ("num_experts", "top_k", "hidden_size", "intermediate_size", "num_layers")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_stack(shape: Preset, device, dtype, backend: str) -> list[FusedMoE]:
@@ -76,16 +72,16 @@ def run(
             return x
 
         outputs = [forward(x) for x in inputs]  # warm-up; also the outputs we compare
-        _sync(device)
+        sync(device)
         before = manager.stats.as_dict() if manager else None
         times = []
         calls = 0
         for step in range(steps):
             x = inputs[step % len(inputs)]
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             forward(x)
-            _sync(device)
+            sync(device)
             times.append((time.perf_counter() - t0) / len(layers))
             calls += len(layers)
         after = manager.stats.as_dict() if manager else None
