@@ -255,13 +255,8 @@ def table_rows(result: dict) -> list[list[object]]:
 
 def plot(result: dict, path: str) -> None:
     """Bars per strategy: arena and peak memory (MB), host us per layer, decode step time."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = report.pyplot()
+    if plt is None:
         return
     rows = result["strategies"]
     names = [r["strategy"] for r in rows]
