@@ -7,6 +7,7 @@ from fusedmoe.reference import fused_moe_reference, relative_error
 from fusedmoe.routing import route
 from fusedmoe.tools.bench import call_path, decode, floors, strategies
 from fusedmoe.tools.bench.baselines import hf_experts
+from fusedmoe.tools.presets import Preset
 
 
 def test_step_sizes_mix_decode_and_prefill():
@@ -21,7 +22,7 @@ def test_step_sizes_mix_decode_and_prefill():
 def test_decode_bench_properties_cpu():
     """shared holds exactly the largest single-layer plan, per_layer the sum over layers; after warm-up
     neither allocates; alloc_* allocate once per layer call; every eager strategy gives the same output."""
-    cfg = decode.StackConfig("tiny", 8, 2, 32, 16, 3, {})
+    cfg = Preset("tiny", 8, 2, 32, 16, 3)
     res = decode.run(cfg, steps=6, device=torch.device("cpu"), dtype=torch.float32, backend="torch", progress=False)
     rows = {r["strategy"]: r for r in res["strategies"]}
     assert set(rows) == {"alloc_zeros", "alloc_empty", "per_layer", "shared"}
@@ -33,11 +34,14 @@ def test_decode_bench_properties_cpu():
     assert rows["alloc_zeros"]["manager_allocs_per_step"] == cfg.num_layers
     assert rows["alloc_zeros"]["bytes_zeroed_per_step"] > 0 and rows["alloc_empty"]["bytes_zeroed_per_step"] == 0
     assert res["eager_outputs_bit_identical"]
+    assert res["stack"] == dict(
+        name="tiny", num_experts=8, top_k=2, hidden_size=32, intermediate_size=16, num_layers=3, routing=cfg.routing
+    )
 
 
 def test_strategy_table_cpu():
     """The CPU `make bench` table: one row per strategy (caller buffers included), all bit-identical."""
-    shape = strategies.StackShape(8, 2, 32, 16, 2)
+    shape = Preset("tiny", 8, 2, 32, 16, 2)
     res = strategies.run(shape, [1, 5], steps=2, device=torch.device("cpu"), dtype=torch.float32, backend="torch")
     assert [r["strategy"] for r in res] == ["alloc_zeros", "alloc_empty", "per_layer", "shared", "caller"]
     assert all(r["bit_identical"] in (None, True) for r in res)

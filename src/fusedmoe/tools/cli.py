@@ -75,14 +75,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _bench_strategies_cpu(args: argparse.Namespace) -> int:
     from .bench import call_path, report, strategies
+    from .presets import Preset
 
-    shape = strategies.StackShape(
-        num_experts=args.e or 16,
-        top_k=args.k or 4,
-        hidden_size=args.h or 256,
-        intermediate_size=args.i or 128,
-        num_layers=args.layers or 8,
-    )
+    shape = Preset("cpu-stack", args.e or 16, args.k or 4, args.h or 256, args.i or 128, args.layers or 8)
     tokens = args.tokens or [1, 4, 16, 64]
     print(
         f"CPU benchmark (no GPU): torch experts, E={shape.num_experts} k={shape.top_k} H={shape.hidden_size} "
@@ -101,7 +96,7 @@ def _bench_strategies_cpu(args: argparse.Namespace) -> int:
             args.json,
             {
                 "env": report.environment(),
-                "shape": shape.__dict__,
+                "shape": {f: getattr(shape, f) for f in strategies.SHAPE_FIELDS},
                 "tokens": tokens,
                 "strategies": results,
                 "call_path": paths,

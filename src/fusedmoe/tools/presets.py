@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from ..layer import FusedMoE
+from ..problem import Routing
 
 
 @dataclass(frozen=True)
@@ -38,18 +41,20 @@ class Preset:
 
     @property
     def routing(self) -> dict[str, object]:
-        """Keyword arguments of :func:`fusedmoe.routing.route` for this model."""
-        return {
-            "scoring": self.scoring,
-            "renormalize": self.renormalize,
-            "num_expert_groups": self.num_expert_groups,
-            "topk_groups": self.topk_groups,
-            "routed_scaling_factor": self.routed_scaling_factor,
-        }
+        """Keyword arguments of :func:`fusedmoe.routing.route` for this model: its router settings, which carry
+        the names of :class:`fusedmoe.problem.Routing`'s fields (that class says which of them route takes)."""
+        return Routing(**{f.name: getattr(self, f.name) for f in fields(Routing) if hasattr(self, f.name)}).kwargs()
 
     @property
     def experts_on_gpu(self) -> int:
         return self.local_experts or self.num_experts
+
+    def routed_layer(self, **kwargs) -> FusedMoE:
+        """A randomly initialised FusedMoE of this model's routed experts (no shared experts) with its router
+        settings; ``kwargs`` go to :class:`fusedmoe.FusedMoE` (dtype, device, backend, workspace, layout, ...)."""
+        return FusedMoE(
+            self.num_experts, self.top_k, self.hidden_size, self.intermediate_size, **self.routing, **kwargs
+        )
 
 
 PRESETS: dict[str, Preset] = {

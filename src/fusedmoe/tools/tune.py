@@ -156,11 +156,7 @@ def tune_m(
             print(f"  failed: {f}", flush=True)
         failures.extend(lost)
         if not scored:
-            reasons = Counter(f.reason for f in lost)
-            raise TuneError(
-                f"M={M}: all {len(lost)} {gemm} candidates with BLOCK_M={bm} failed: "
-                + "; ".join(f"{n}x {r}" for r, n in reasons.most_common())
-            )
+            raise TuneError(f"M={M}: all {len(lost)} {gemm} candidates with BLOCK_M={bm} failed: {_tally(lost)}")
         return min(scored, key=lambda s: s[0])
 
     best = None
@@ -174,12 +170,16 @@ def tune_m(
     return best
 
 
+def _tally(failures: list[Failure]) -> str:
+    """'kx reason; jx other reason', most common first."""
+    return "; ".join(f"{n}x {r}" for r, n in Counter(f.reason for f in failures).most_common())
+
+
 def describe_failures(failures: list[Failure]) -> str:
     """'N candidates failed (k x reason, ...)' or 'no candidate failed'."""
     if not failures:
         return "no candidate failed"
-    reasons = Counter(f.reason for f in failures)
-    return f"{len(failures)} candidates failed (" + "; ".join(f"{n}x {r}" for r, n in reasons.most_common()) + ")"
+    return f"{len(failures)} candidates failed ({_tally(failures)})"
 
 
 # ---- the GPU side ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ...api import fused_moe
 from ...op import fused_moe_op
 from ...routing import route
 from ...workspace.manager import WorkspaceManager
+from .timing import sync
 
 
 def measure(
@@ -50,13 +51,11 @@ def measure(
     samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
             samples[name].append((time.perf_counter() - t0) * 1e6 / calls)
     direct, op = statistics.median(samples["direct"]), statistics.median(samples["op"])
     return {

@@ -16,29 +16,22 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
 from ...layer import FusedMoE
 from ...workspace.manager import WorkspaceManager
+from ..presets import PRESETS, Preset
 from . import report
+from .timing import sync
 
 GRAPHS = "shared+graphs"
 STRATEGIES = ("alloc_zeros", "alloc_empty", "per_layer", "shared", GRAPHS)
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FILL_KERNEL_NAMES = ("fill", "zero", "memset")
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    name: str
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    routing: dict
+#: The stack as the JSON result describes it: these fields of the preset, then its router keywords.
+STACK_FIELDS = ("name", "num_experts", "top_k", "hidden_size", "intermediate_size", "num_layers")
 
 
 def step_sizes(steps: int, seed: int = 0, max_decode: int = 256, prefill=(2048, 4096, 8192)) -> list[int]:
@@ -50,8 +43,9 @@ def step_sizes(steps: int, seed: int = 0, max_decode: int = 256, prefill=(2048, 
     return sizes
 
 
-def build_stack(cfg: StackConfig, device: torch.device, dtype: torch.dtype, backend: str) -> tuple[list[FusedMoE], int]:
-    """L layers; distinct random weights for as many as fit in 70% of free device memory, shared beyond."""
+def build_stack(cfg: Preset, device: torch.device, dtype: torch.dtype, backend: str) -> tuple[list[FusedMoE], int]:
+    """``cfg.num_layers`` layers of ``cfg`` (routed experts); distinct random weights for as many as fit in 70% of
+    free device memory, shared beyond."""
     torch.manual_seed(0)
     per_layer = 3 * cfg.num_experts * cfg.hidden_size * cfg.intermediate_size * torch.empty((), dtype=dtype).itemsize
     distinct = cfg.num_layers
@@ -60,26 +54,12 @@ def build_stack(cfg: StackConfig, device: torch.device, dtype: torch.dtype, back
         distinct = max(1, min(cfg.num_layers, int(free * 0.7 // per_layer)))
     layers = []
     for i in range(cfg.num_layers):
-        layer = FusedMoE(
-            cfg.num_experts,
-            cfg.top_k,
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            dtype=dtype,
-            device="meta" if i >= distinct else device,
-            backend=backend,
-            **cfg.routing,
-        )
+        layer = cfg.routed_layer(dtype=dtype, device="meta" if i >= distinct else device, backend=backend)
         if i >= distinct:  # share the weights of an earlier layer (memory), keep the layer object distinct
             src = layers[i % distinct]
             layer.w1, layer.w2, layer.gate = src.w1, src.w2, src.gate
         layers.append(layer)
     return layers, distinct
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _allocator_allocs(device: torch.device) -> int:
@@ -143,7 +123,7 @@ class _GraphRunner:
 
 
 def run(
-    cfg: StackConfig,
+    cfg: Preset,
     *,
     steps: int,
     device: torch.device,
@@ -182,17 +162,17 @@ def run(
 
         for M in sorted(set(sizes)):  # warm-up: every batch size once (compilation, configs)
             forward(inputs[M])
-        _sync(device)
+        sync(device)
         s0, a0 = manager.stats.as_dict(), _allocator_allocs(device)
         decode_t, prefill_t, host = [], [], []
         it = _progress(sizes, f"{strategy:<14}") if progress else sizes
         for M in it:
             x = inputs[M]
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             forward(x)
             t1 = time.perf_counter()
-            _sync(device)
+            sync(device)
             t2 = time.perf_counter()
             (prefill_t if M > GRAPH_BUCKETS[-1] else decode_t).append((t2 - t0) * 1e6)
             if M <= 64:
@@ -223,7 +203,7 @@ def run(
     eager = [s for s in outputs if s != GRAPHS]
     identical = all(torch.equal(outputs[s], outputs[eager[0]]) for s in eager)
     return {
-        "stack": cfg.__dict__,
+        "stack": {**{f: getattr(cfg, f) for f in STACK_FIELDS}, "routing": cfg.routing},
         "distinct_weight_layers": distinct,
         "steps": sizes,
         "strategies": rows,
@@ -275,13 +255,8 @@ def table_rows(result: dict) -> list[list[object]]:
 
 def plot(result: dict, path: str) -> None:
     """Bars per strategy: arena and peak memory (MB), host us per layer, decode step time."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = report.pyplot()
+    if plt is None:
         return
     rows = result["strategies"]
     names = [r["strategy"] for r in rows]
@@ -305,23 +280,13 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    from ..presets import PRESETS
-
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     name = args.preset or ("qwen3-30b-a3b" if device.type == "cuda" else None)
     if name is not None:
         p = PRESETS[name]
-        cfg = StackConfig(
-            p.name,
-            p.num_experts,
-            p.top_k,
-            p.hidden_size,
-            p.intermediate_size,
-            args.layers or p.num_layers,
-            dict(p.routing),
-        )
+        cfg = replace(p, num_layers=args.layers or p.num_layers)
     else:  # CPU default: a small stack through the torch experts
-        cfg = StackConfig("small-cpu", args.e or 16, args.k or 4, args.h or 256, args.i or 128, args.layers or 4, {})
+        cfg = Preset("small-cpu", args.e or 16, args.k or 4, args.h or 256, args.i or 128, args.layers or 4)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = "auto"
     result = run(

@@ -38,13 +38,9 @@ from ...ops import launcher
 from ...workspace.manager import WorkspaceManager
 from ..presets import Preset, get_preset
 from . import report
+from .timing import graph_time_us, sync
 
 COLUMNS = ["path", "backend", "M", "host us/call", "device us/call", "note"]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200) -> float:
@@ -54,19 +50,17 @@ def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200)
         fn()
     samples = []
     for _ in range(calls):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
-    _sync(device)
+    sync(device)
     return statistics.median(samples)
 
 
 def device_us(fn: Callable[[], object], device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    from .timing import graph_time_us
-
     return graph_time_us([fn] * 10)
 
 
@@ -106,17 +100,7 @@ def measure(
     manager = WorkspaceManager(device)
     for backend in backends:
         torch.manual_seed(0)
-        layer = FusedMoE(
-            pr.num_experts,
-            pr.top_k,
-            pr.hidden_size,
-            pr.intermediate_size,
-            dtype=dtype,
-            device=device,
-            workspace=manager,
-            backend=backend,
-            **pr.routing,
-        )
+        layer = pr.routed_layer(dtype=dtype, device=device, workspace=manager, backend=backend)
         for M in tokens:
             x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
             with torch.inference_mode():
@@ -197,17 +181,8 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
 
 
 def _batched_rows(row, pr, device, dtype, tokens, calls) -> None:
-    layer = FusedMoE(
-        pr.num_experts,
-        pr.top_k,
-        pr.hidden_size,
-        pr.intermediate_size,
-        dtype=dtype,
-        device=device,
-        backend="triton",
-        layout="batched",
-        max_tokens_per_expert=max(tokens) * pr.top_k,
-        **pr.routing,
+    layer = pr.routed_layer(
+        dtype=dtype, device=device, backend="triton", layout="batched", max_tokens_per_expert=max(tokens) * pr.top_k
     )
     for M in tokens:
         x = torch.randn(M, pr.hidden_size, dtype=dtype, device=device)
@@ -216,7 +191,7 @@ def _batched_rows(row, pr, device, dtype, tokens, calls) -> None:
 
 
 def _ep_rows(row, calls) -> None:
-    """The expert-parallel layer of a one-rank gloo group on the CPU (torch experts, small shape)."""
+    """The expert-parallel layer of a one-rank gloo group on the CPU (torch experts, the CPU table's shape)."""
     import torch.distributed as dist
 
     owned = False
@@ -226,11 +201,12 @@ def _ep_rows(row, calls) -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
         owned = True
     try:
-        cpu = torch.device("cpu")
-        layer = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch", ep_group=dist.group.WORLD)
-        local = FusedMoE(16, 4, 256, 128, dtype=torch.float32, device=cpu, backend="torch")
+        cpu, s = torch.device("cpu"), CPU_SHAPE
+        layer = s.routed_layer(dtype=torch.float32, device=cpu, backend="torch", ep_group=dist.group.WORLD)
+        local = s.routed_layer(dtype=torch.float32, device=cpu, backend="torch")
+        shape = f"E={s.num_experts} k={s.top_k} H={s.hidden_size} I={s.intermediate_size}"
         for M in (1, 8, 64):
-            x = torch.randn(M, 256)
+            x = torch.randn(M, s.hidden_size)
             with torch.inference_mode():
                 row(
                     "FusedMoE.forward (EP, gloo, 1 rank)",
@@ -238,7 +214,7 @@ def _ep_rows(row, calls) -> None:
                     M,
                     host_us(lambda x=x: layer(x), cpu, calls=calls),
                     None,
-                    "CPU, E=16 k=4 H=256 I=128",
+                    f"CPU, {shape}",
                 )
                 row(
                     "FusedMoE.forward (no EP, same shape)",

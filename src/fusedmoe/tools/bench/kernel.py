@@ -296,13 +296,8 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
 
 def plot(payload: dict, path: str) -> None:
     """Time vs tokens per backend (log-log) with the floor line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = report.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_backend: dict[str, list[tuple[int, float]]] = {}

@@ -80,6 +80,19 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend), or None, said on stdout, without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    return plt
+
+
 def save_json(path: str | os.PathLike, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,45 +8,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ...api import fused_moe
 from ...layer import FusedMoE
 from ...workspace.manager import STRATEGIES, WorkspaceManager
+from ..presets import Preset
+from .timing import sync
 
 CALLER = "caller"
+#: The stack's shape as the JSON result describes it (fields of the preset).
+SHAPE_FIELDS = ("num_experts", "top_k", "hidden_size", "intermediate_size", "num_layers")
 
 
-@dataclass(frozen=True)
-class StackShape:
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build_stack(shape: StackShape, device, dtype, backend: str) -> list[FusedMoE]:
+def build_stack(shape: Preset, device, dtype, backend: str) -> list[FusedMoE]:
     torch.manual_seed(0)
-    return [
-        FusedMoE(
-            shape.num_experts,
-            shape.top_k,
-            shape.hidden_size,
-            shape.intermediate_size,
-            dtype=dtype,
-            device=device,
-            backend=backend,
-        )
-        for _ in range(shape.num_layers)
-    ]
+    return [shape.routed_layer(dtype=dtype, device=device, backend=backend) for _ in range(shape.num_layers)]
 
 
 def _caller_buffers(layers: list[FusedMoE], max_tokens: int, dtype, device):
@@ -60,7 +38,7 @@ def _caller_buffers(layers: list[FusedMoE], max_tokens: int, dtype, device):
 
 
 def run(
-    shape: StackShape,
+    shape: Preset,
     tokens: list[int],
     *,
     steps: int,
@@ -94,16 +72,16 @@ def run(
             return x
 
         outputs = [forward(x) for x in inputs]  # warm-up; also the outputs we compare
-        _sync(device)
+        sync(device)
         before = manager.stats.as_dict() if manager else None
         times = []
         calls = 0
         for step in range(steps):
             x = inputs[step % len(inputs)]
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             forward(x)
-            _sync(device)
+            sync(device)
             times.append((time.perf_counter() - t0) / len(layers))
             calls += len(layers)
         after = manager.stats.as_dict() if manager else None

@@ -22,6 +22,12 @@ def _side_stream() -> torch.cuda.Stream:
     return _STREAM[0]
 
 
+def sync(device: torch.device) -> None:
+    """Wait until ``device`` has run everything queued on it (nothing to wait for off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def graph_time_us(calls: list[Callable[[], object]], *, warmup_replays: int = 5, replays: int = 30) -> float:
     """Capture every function in ``calls`` once, in order, in one CUDA graph; return median us per call."""
     stream = _side_stream()
