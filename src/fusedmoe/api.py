@@ -149,9 +149,10 @@ def fused_moe(
                 verdict = key = None
             if verdict is not None:
                 p, kernel, manager = verdict
+                x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
                 if torch.is_grad_enabled():
-                    _forbid_gradients(*tensors)
-                return kernel(ExpertsInputs(*tensors[:6], None, *tensors[6:]), p, manager=manager, layout_key=sig)
+                    _forbid_gradients(x)
+                return kernel(x, p, manager=manager, layout_key=sig)
     p = check_fused_moe_args(
         *tensors[:5],
         activation=activation,
@@ -167,13 +168,13 @@ def fused_moe(
         w1_bias=w1_bias,
         w2_bias=w2_bias,
     )
-    _forbid_gradients(*tensors)
+    x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
+    _forbid_gradients(x)
     kernel, manager = resolve(p, hidden_states.device, backend, workspace)
     if key is not None:
         if len(_VERDICTS) > 4096:  # bounded under shape churn
             _VERDICTS.clear()
         _VERDICTS[key] = (p, kernel, manager)
-    x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
     return kernel(x, p, manager=manager, workspace13=workspace13, workspace2=workspace2, layout_key=sig)
 
 
@@ -181,19 +182,17 @@ def fused_moe(
 _VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, WorkspaceManager]] = {}
 
 
-def _forbid_gradients(
-    hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
-) -> None:
+def _forbid_gradients(x: ExpertsInputs) -> None:
     forbid_gradients(
         "fused_moe",
-        hidden_states=hidden_states,
-        w1=w1,
-        w2=w2,
-        topk_weights=topk_weights,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
+        hidden_states=x.hidden_states,
+        w1=x.w1,
+        w2=x.w2,
+        topk_weights=x.topk_weights,
+        w1_bias=x.w1_bias,
+        w2_bias=x.w2_bias,
+        w1_scale=x.w1_scale,
+        w2_scale=x.w2_scale,
     )
 
 
@@ -226,19 +225,6 @@ def run_problem(
     """Run a validated problem through the chosen backend's kernel (the registered op's eager implementation).
 
     Raises GradientNotSupportedError when autograd would need a gradient of the result."""
-    _forbid_gradients(
-        x.hidden_states,
-        x.w1,
-        x.w2,
-        x.topk_weights,
-        x.topk_ids,
-        x.expert_map,
-        x.w1_scale,
-        x.w2_scale,
-        x.a1_scale,
-        x.a2_scale,
-        x.w1_bias,
-        x.w2_bias,
-    )
+    _forbid_gradients(x)
     kernel, manager = resolve(p, x.hidden_states.device, backend, workspace)
     return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)
