@@ -209,6 +209,25 @@ def test_programs_reject_inconsistent_declarations():
         Program([], [_write_a], [], [_buf("a")], exports=["z"])
     with pytest.raises(TypeError, match="must default to None"):
         step(lambda c, a=3: None)
+    with pytest.raises(TypeError, match="needs a trailing \\*views parameter"):
+        step(lambda c, a: None, group=("b",))
+    with pytest.raises(TypeError, match="'views' must be positional"):
+        step(lambda c, *views: None)
+
+
+def test_a_step_group_reaches_a_trailing_star_parameter_in_order():
+    seen = []
+
+    @step(group=("b", "a"))
+    def _grouped(c, out, *views):
+        seen.append(views)
+
+    assert _grouped.needs == ("out", "b", "a") and _grouped.optional == frozenset()
+    prog = Program([], [_grouped], [], [_buf("out"), _buf("a"), _buf("b")])
+    assert all(prog.plan.placements[n].spec.first == 0 for n in ("out", "a", "b"))
+    views = {n: torch.full((1,), float(i)) for i, n in enumerate(("out", "a", "b"))}
+    prog.run(1, None, views)
+    assert [float(v) for v in seen[0]] == [2.0, 1.0]  # b, then a
 
 
 class _StashingExperts(Experts):

@@ -117,11 +117,11 @@ def test_compile_function_fullgraph_dynamic():
 
 
 def test_layer_compiles_through_op_and_eager_stays_direct(monkeypatch):
-    import fusedmoe.op as op_mod
+    import fusedmoe.api as api_mod
 
     calls = []
-    real = op_mod._run
-    monkeypatch.setattr(op_mod, "_run", lambda *a: calls.append(1) or real(*a))
+    real = api_mod.run_problem  # what the registered op's implementation runs (eager calls never reach it)
+    monkeypatch.setattr(api_mod, "run_problem", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch.manual_seed(0)
     layer = FusedMoE(
         8,

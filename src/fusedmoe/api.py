@@ -152,7 +152,7 @@ def fused_moe(
             if verdict is not None:
                 p, kernel, manager = verdict
                 x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
-                if torch.is_grad_enabled() and _wants_grad(*tensors):
+                if torch.is_grad_enabled() and _wants_grad(x):
                     return _differentiable(kernel, x, p, manager, sig)
                 return kernel(x, p, manager=manager, layout_key=sig)
     p = check_fused_moe_args(
@@ -176,7 +176,7 @@ def fused_moe(
             _VERDICTS.clear()
         _VERDICTS[key] = (p, kernel, manager)
     x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
-    if torch.is_grad_enabled() and _wants_grad(*tensors):
+    if torch.is_grad_enabled() and _wants_grad(x):
         return _differentiable(kernel, x, p, manager, sig, workspace13, workspace2)
     return kernel(x, p, manager=manager, workspace13=workspace13, workspace2=workspace2, layout_key=sig)
 
@@ -185,11 +185,20 @@ def fused_moe(
 _VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, WorkspaceManager]] = {}
 
 
-def _wants_grad(
-    hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_scale, w2_scale, a1_scale, a2_scale, w1_bias, w2_bias
-) -> bool:
-    """Whether any differentiable input requires grad (autograd is recording: the caller checked)."""
-    for t in (hidden_states, w1, w2, topk_weights, w1_bias, w2_bias, w1_scale, w2_scale, a1_scale, a2_scale):
+def _wants_grad(x: ExpertsInputs) -> bool:
+    """Whether any input of ``x`` that could carry a gradient requires grad (the caller checked grad mode)."""
+    for t in (
+        x.hidden_states,
+        x.w1,
+        x.w2,
+        x.topk_weights,
+        x.w1_bias,
+        x.w2_bias,
+        x.w1_scale,
+        x.w2_scale,
+        x.a1_scale,
+        x.a2_scale,
+    ):
         if t is not None and t.requires_grad:
             return True
     return False
@@ -270,23 +279,6 @@ def run_problem(
 
     Differentiable like :func:`fused_moe` when autograd is recording and an input requires grad."""
     kernel, manager = resolve(p, x.hidden_states.device, backend, workspace)
-    if torch.is_grad_enabled() and _wants_grad(*(getattr(x, n) for n in _FUSED_MOE_TENSORS)):
+    if torch.is_grad_enabled() and _wants_grad(x):
         return _differentiable(kernel, x, p, manager, None, workspace13, workspace2, owner)
     return kernel(x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2)
-
-
-#: The ExpertsInputs fields in fused_moe's tensor order.
-_FUSED_MOE_TENSORS = (
-    "hidden_states",
-    "w1",
-    "w2",
-    "topk_weights",
-    "topk_ids",
-    "expert_map",
-    "w1_scale",
-    "w2_scale",
-    "a1_scale",
-    "a2_scale",
-    "w1_bias",
-    "w2_bias",
-)

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from .experts.base import ExpertsInputs
 from .kernel import MoEKernel
 from .problem import MoEProblem
-from .workspace.manager import WorkspaceManager
 
 
 @runtime_checkable
@@ -94,20 +93,11 @@ class ExpertParallelKernel(MoEKernel):
 
     skip_empty = False
 
-    def __call__(
-        self,
-        x: ExpertsInputs,
-        p: MoEProblem,
-        *,
-        manager: WorkspaceManager,
-        owner: object = None,
-        workspace13: torch.Tensor | None = None,
-        workspace2: torch.Tensor | None = None,
-        layout_key=None,
-    ) -> torch.Tensor:
+    def __call__(self, x: ExpertsInputs, p: MoEProblem, *, workspace13=None, workspace2=None, **kwargs) -> torch.Tensor:
+        """:meth:`MoEKernel.__call__` (same keywords) with scratch from the manager only."""
         if workspace13 is not None or workspace2 is not None:
             raise ValueError("expert parallelism takes its scratch from a WorkspaceManager, not caller tensors")
-        return super().__call__(x, p, manager=manager, owner=owner, layout_key=layout_key)
+        return super().__call__(x, p, **kwargs)
 
 
 __all__ = ["ExpertParallelKernel", "TorchDistributedTransport", "Transport"]

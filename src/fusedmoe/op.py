@@ -56,68 +56,6 @@ def lookup_workspace(i: int) -> WorkspaceManager | None:
     return mgr
 
 
-def _run(
-    hidden_states,
-    w1,
-    w2,
-    topk_weights,
-    topk_ids,
-    w1_bias,
-    w2_bias,
-    activation,
-    apply_router_weight_on_input,
-    global_num_experts,
-    expert_map,
-    quant,
-    w1_scale,
-    w2_scale,
-    a1_scale,
-    a2_scale,
-    backend,
-    workspace,
-    owner,
-    checks,
-) -> Tensor:
-    from .api import run_problem
-    from .checks import check_fused_moe_args
-    from .experts.base import ExpertsInputs
-
-    p = check_fused_moe_args(
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation=activation,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        expert_map=expert_map,
-        global_num_experts=None if global_num_experts < 0 else global_num_experts,
-        quant=quant,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
-        a1_scale=a1_scale,
-        a2_scale=a2_scale,
-        checks=checks,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-    )
-    x = ExpertsInputs(
-        hidden_states,
-        w1,
-        w2,
-        topk_weights,
-        topk_ids,
-        expert_map=expert_map,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
-        a1_scale=a1_scale,
-        a2_scale=a2_scale,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
-    )
-    return run_problem(x, p, backend=backend, workspace=workspace, owner=owner or None)
-
-
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def _fused_moe_impl(
     hidden_states: Tensor,
@@ -140,52 +78,49 @@ def _fused_moe_impl(
     workspace_id: int = -1,
     owner: str = "",
 ) -> Tensor:
-    return _run(
+    from .api import run_problem
+    from .checks import check_fused_moe_args
+    from .experts.base import ExpertsInputs
+
+    workspace = lookup_workspace(workspace_id)
+    p = check_fused_moe_args(
         hidden_states,
         w1,
         w2,
         topk_weights,
         topk_ids,
-        w1_bias,
-        w2_bias,
-        activation,
-        apply_router_weight_on_input,
-        global_num_experts,
-        expert_map,
-        quant,
-        w1_scale,
-        w2_scale,
-        a1_scale,
-        a2_scale,
-        backend,
-        lookup_workspace(workspace_id),
-        owner,
-        None,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=None if global_num_experts < 0 else global_num_experts,
+        quant=quant,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        checks=None,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
     )
+    x = ExpertsInputs(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+    )
+    return run_problem(x, p, backend=backend, workspace=workspace, owner=owner or None)
 
 
 @_fused_moe_impl.register_fake
-def _fused_moe_fake(
-    hidden_states,
-    w1,
-    w2,
-    topk_weights,
-    topk_ids,
-    w1_bias=None,
-    w2_bias=None,
-    activation="silu",
-    apply_router_weight_on_input=False,
-    global_num_experts=-1,
-    expert_map=None,
-    quant=None,
-    w1_scale=None,
-    w2_scale=None,
-    a1_scale=None,
-    a2_scale=None,
-    backend="auto",
-    workspace_id=-1,
-    owner="",
-):
+def _fused_moe_fake(hidden_states, *args, **kwargs):
     # Output metadata only: a fresh [M, H] tensor in hidden_states' dtype (it never aliases an input).
     torch._check(hidden_states.dim() == 2, lambda: "hidden_states must be 2-D [M, H]")
     return hidden_states.new_empty(hidden_states.shape)
@@ -387,16 +322,7 @@ def _route_impl(
 
 
 @_route_impl.register_fake
-def _route_fake(
-    router_logits,
-    top_k,
-    scoring="softmax",
-    renormalize=True,
-    num_expert_groups=-1,
-    topk_groups=-1,
-    correction_bias=None,
-    routed_scaling_factor=1.0,
-):
+def _route_fake(router_logits, top_k, *args, **kwargs):
     M = router_logits.shape[0]
     return (
         router_logits.new_empty((M, top_k), dtype=torch.float32),

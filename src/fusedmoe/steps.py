@@ -4,7 +4,10 @@ A *step* is a plain function ``fn(c, <buffer>, <buffer>, ...)``. Its first param
 context (:class:`Call`: problem, launch, inputs, output, host-side state); every other parameter is the name of
 a scratch buffer and receives that buffer's view. A step has no other way to reach the workspace, so the
 buffers a step can touch are exactly the ones its signature names. A parameter with a default (``= None``) is
-optional: it receives None when the plan holds no buffer of that name (e.g. fp8 scratch in a bf16 call).
+optional: it receives None when the plan holds no buffer of that name (e.g. fp8 scratch in a bf16 call). A
+fixed group of buffers that several steps hand on together (the batched scatter's fourteen) is named once:
+``@step(group=NAMES)`` on ``fn(c, <buffer>, ..., *views)`` gives the trailing ``*views`` the views of ``NAMES``,
+in that order.
 
 A :class:`Program` is the ordered steps of one call (prepare/finalize's and the experts') together with the
 buffers they declare. Lifetimes are *derived*, never written by hand: a buffer lives from the first step that
@@ -41,9 +44,16 @@ class Step:
     optional: frozenset[str]
 
 
-def step(fn: Callable[..., None]) -> Step:
-    """Make a :class:`Step` of ``fn``; its parameters after the first name the buffers it touches."""
+def step(fn: Callable[..., None] | None = None, *, group: Sequence[str] = ()):
+    """Make a :class:`Step` of ``fn``; its parameters after the first name the buffers it touches, and with
+    ``group`` (as ``@step(group=NAMES)``) a trailing ``*views`` parameter takes the buffers ``NAMES`` in order."""
+    if fn is None:
+        return lambda f: step(f, group=group)
     params = list(inspect.signature(fn).parameters.values())[1:]
+    if group and params and params[-1].kind == params[-1].VAR_POSITIONAL:
+        params.pop()
+    elif group:
+        raise TypeError(f"step {fn.__name__}: group= needs a trailing *views parameter to receive its buffers")
     for prm in params:
         if prm.kind not in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD):
             raise TypeError(f"step {fn.__name__}: buffer parameter {prm.name!r} must be positional")
@@ -52,7 +62,7 @@ def step(fn: Callable[..., None]) -> Step:
     return Step(
         name=fn.__name__.lstrip("_"),
         fn=fn,
-        needs=tuple(prm.name for prm in params),
+        needs=(*(prm.name for prm in params), *group),
         optional=frozenset(prm.name for prm in params if prm.default is None),
     )
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -334,32 +335,19 @@ def fusedmoe_experts_forward(
     x = hidden_states
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
-    if torch.compiler.is_compiling():
-        out = fused_moe_op(
-            x,
-            w1,
-            w2,
-            weights,
-            top_k_index,
-            activation=activation,
-            workspace=workspace,
-            backend=backend,
-            w1_bias=b1,
-            w2_bias=b2,
-        )
-    else:
-        out = fused_moe(
-            x,
-            w1,
-            w2,
-            weights,
-            top_k_index,
-            activation=activation,
-            workspace=workspace,
-            backend=backend,
-            w1_bias=b1,
-            w2_bias=b2,
-        )
+    run = fused_moe_op if torch.compiler.is_compiling() else fused_moe  # the op keeps a compiled graph whole
+    out = run(
+        x,
+        w1,
+        w2,
+        weights,
+        top_k_index,
+        activation=activation,
+        workspace=workspace,
+        backend=backend,
+        w1_bias=b1,
+        w2_bias=b2,
+    )
     return out.to(hidden_states.dtype)
 
 
@@ -404,39 +392,23 @@ def _recording(key: str) -> bool:
     return collected is not None and key in collected
 
 
+@dataclass(eq=False, repr=False)
 class _Patch:
     """The fusedmoe state of one patched block: its model type, the workspace group and backend, the
     experts implementation under which the fused path runs, and the FusedMoE layer (built on demand)."""
 
-    def __init__(
-        self,
-        model_type: str,
-        group: _WorkspaceGroup,
-        backend: str,
-        implementation: str | None,
-        original_class: type,
-        previous_implementation: str | None,
-    ):
-        self.model_type = model_type
-        self.group = group
-        self.backend = backend
-        self.implementation = implementation
-        self.original_class = original_class
-        self.previous_implementation = previous_implementation
-        self.layer: FusedMoE | None = None
+    model_type: str
+    group: _WorkspaceGroup
+    backend: str
+    implementation: str | None
+    original_class: type
+    previous_implementation: str | None
+    layer: FusedMoE | None = field(default=None, init=False)
 
     def __deepcopy__(self, memo):
         # a copy shares the workspace managers (they serve any number of layers); its layer is rebuilt on the
         # copied block's own tensors
-        new = _Patch(
-            self.model_type,
-            self.group,
-            self.backend,
-            self.implementation,
-            self.original_class,
-            self.previous_implementation,
-        )
-        memo[id(self)] = new
+        new = memo[id(self)] = replace(self)
         return new
 
     def __getstate__(self):

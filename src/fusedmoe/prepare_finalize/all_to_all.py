@@ -41,12 +41,13 @@ import torch
 from ..experts.base import ExpertsInputs
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..problem import Layout, MoEProblem
-from ..quant import FP8_DTYPE
+from ..quant import FP8_DTYPE, QuantConfig
 from ..steps import step
 from ..workspace.manager import Workspace
 from ..workspace.plan import BufferSpec
 from .base import PrepareFinalize
 from .batched import (
+    SCATTER_BUFFERS,
     BatchedCapacityError,
     GatherBuffers,
     ScatterBuffers,
@@ -55,6 +56,7 @@ from .batched import (
     gather_batched,
     gather_plan,
     max_count_tensor,
+    prepared_inputs,
     scatter_batched,
     scatter_plan,
 )
@@ -266,16 +268,8 @@ def _ep_pack(
     x, p = c.x, c.p
     torch.div(ep_order, p.top_k, rounding_mode="floor", out=ep_send_rows)
     if ep_src_q is not None:  # quantize the M token rows once, then gather fp8 rows (as bytes) and their scales
-        q = p.quant
         if p.M:
-            quantize_activation(
-                x.hidden_states,
-                q.mode,
-                out=ep_src_q,
-                scale_out=ep_src_scale,
-                static_scale=x.a1_scale if q.static_activation_scale else None,
-                group_k=q.block_shape[1],
-            )
+            _quantize(x.hidden_states, p.quant, x, ep_src_q, ep_src_scale)
         torch.index_select(ep_src_q.view(torch.uint8), 0, ep_send_rows, out=ep_send_hidden.view(torch.uint8))
         if ep_send_scale is not None:
             torch.index_select(ep_src_scale, 0, ep_send_rows, out=ep_send_scale)
@@ -320,16 +314,16 @@ def _ep_dispatch(
     c.state.update(send_list=send_list, recv_list=recv_list, n_send=n_send, n_recv=n_recv)
 
 
-def _common(x: ExpertsInputs) -> dict:
-    return dict(
-        w1=x.w1,
-        w2=x.w2,
-        w1_scale=x.w1_scale,
-        w2_scale=x.w2_scale,
-        a1_scale=x.a1_scale,
-        a2_scale=x.a2_scale,
-        w1_bias=x.w1_bias,
-        w2_bias=x.w2_bias,
+def _quantize(rows, q: QuantConfig, x: ExpertsInputs, out, scale_out, partial=None) -> None:
+    """Quantize activation ``rows`` into ``out`` (and ``scale_out``) as ``q`` says; a static scale is x's a1_scale."""
+    quantize_activation(
+        rows,
+        q.mode,
+        out=out,
+        scale_out=scale_out,
+        static_scale=x.a1_scale if q.static_activation_scale else None,
+        partial=partial,
+        group_k=q.block_shape[1],
     )
 
 
@@ -355,69 +349,22 @@ def _ep_inputs(
             scale_out = None if q.static_activation_scale else ep_a1_scale
             if scale_out is not None and scale_out.dim() == 2:
                 scale_out = scale_out[:n_recv]
-            quantize_activation(
-                ep_recv_hidden[:n_recv],
-                q.mode,
-                out=ep_a1q[:n_recv],
-                scale_out=scale_out,
-                static_scale=x.a1_scale if q.static_activation_scale else None,
-                partial=ep_a1_partial,
-                group_k=q.block_shape[1],
-            )
+            _quantize(ep_recv_hidden[:n_recv], q, x, ep_a1q[:n_recv], scale_out, ep_a1_partial)
     emap = x.expert_map if x.expert_map is not None else pf.expert_map(ep_recv_hidden.device)
-    c.prepared = ExpertsInputs(
-        hidden_states=hidden,
-        topk_weights=ep_recv_w,
-        topk_ids=ep_recv_ids,
-        expert_map=emap,
-        **{**_common(x), "a1_scale": a1_scale},
+    c.prepared = prepared_inputs(
+        x, hidden, topk_weights=ep_recv_w, topk_ids=ep_recv_ids, expert_map=emap, a1_scale=a1_scale
     )
 
 
-@step
-def _ep_scatter(
-    c,
-    ep_recv_hidden,
-    ep_recv_ids,
-    ep_recv_w,
-    b_keys,
-    b_sorted_keys,
-    b_order,
-    b_offsets,
-    b_counts,
-    b_rank,
-    b_dest,
-    b_ok,
-    b_bad,
-    b_a_sorted,
-    b_w_sorted,
-    b_slot_dest,
-    b_num_tokens,
-    b_a_batched,
-):
+@step(group=SCATTER_BUFFERS)
+def _ep_scatter(c, ep_recv_hidden, ep_recv_ids, ep_recv_w, *b):
     """Batched layout: the received rows scattered into [E_local, T, H] as by BatchedPrepareFinalize."""
     x, p, pf = c.x, c.p, c.component
     T = pf.tokens_per_expert()
     mc = pf.max_count(ep_recv_hidden.device)
     emap = x.expert_map if x.expert_map is not None else pf.expert_map(ep_recv_hidden.device)
-    bufs = ScatterBuffers(
-        b_keys,
-        b_sorted_keys,
-        b_order,
-        b_offsets,
-        b_counts,
-        b_rank,
-        b_dest,
-        b_ok,
-        b_bad,
-        b_a_sorted,
-        b_w_sorted,
-        b_slot_dest,
-        b_num_tokens,
-        b_a_batched,
-    )
     a, num_tokens = scatter_batched(
-        bufs,
+        ScatterBuffers(*b),
         ep_recv_hidden,
         ep_recv_ids,
         ep_recv_w,
@@ -433,9 +380,7 @@ def _ep_scatter(
         raise BatchedCapacityError(
             f"rank {pf.rank}: an expert received {int(mc.item())} rows but max_tokens_per_expert is {T}"
         )
-    c.prepared = ExpertsInputs(
-        hidden_states=a, topk_weights=None, topk_ids=None, expert_map=None, expert_num_tokens=num_tokens, **_common(x)
-    )
+    c.prepared = prepared_inputs(x, a, expert_num_tokens=num_tokens, a1_scale=x.a1_scale)
 
 
 # ---- combine ----------------------------------------------------------------------------------------------------

@@ -87,6 +87,10 @@ class GatherBuffers(NamedTuple):
     rows: torch.Tensor
 
 
+#: The plan names of the :class:`ScatterBuffers` fields, in field order (a step's ``group``, see :func:`scatter_plan`).
+SCATTER_BUFFERS = tuple("b_" + f for f in ScatterBuffers._fields)
+
+
 def scatter_plan(S: int, H: int, E: int, T: int, dtype: torch.dtype) -> list[BufferSpec]:
     """Buffers ``b_*`` of :func:`scatter_batched` for S slots into E experts of T rows of width H."""
     i64, i32, b = torch.int64, torch.int32, torch.bool
@@ -106,7 +110,7 @@ def scatter_plan(S: int, H: int, E: int, T: int, dtype: torch.dtype) -> list[Buf
         num_tokens=((E,), i32),
         a_batched=((E * T + 1, H), dtype),
     )
-    return [BufferSpec("b_" + f, *shapes[f]) for f in ScatterBuffers._fields]
+    return [BufferSpec(name, *shapes[f]) for name, f in zip(SCATTER_BUFFERS, ScatterBuffers._fields)]
 
 
 def gather_plan(prefix: str, S: int, H: int, dtype: torch.dtype) -> list[BufferSpec]:
@@ -198,6 +202,36 @@ def gather_batched(
     return out
 
 
+def prepared_inputs(
+    x: ExpertsInputs,
+    hidden_states: torch.Tensor,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    expert_num_tokens: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None,
+) -> ExpertsInputs:
+    """What the experts run on after prepare moved the tokens (scattered them into the batched layout, or
+    received them from other ranks): the given token side and ``a1_scale``, and ``x``'s weights, weight scales,
+    ``a2_scale`` and biases."""
+    return ExpertsInputs(
+        hidden_states,
+        x.w1,
+        x.w2,
+        topk_weights,
+        topk_ids,
+        expert_map,
+        expert_num_tokens,
+        x.w1_scale,
+        x.w2_scale,
+        a1_scale,
+        x.a2_scale,
+        x.w1_bias,
+        x.w2_bias,
+    )
+
+
 def max_count_tensor(cache: dict[torch.device, torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """The persistent int64 [1] max-count tensor of ``device`` in ``cache`` (created once, zero-initialised:
     it is a result each call overwrites, never a workspace)."""
@@ -270,46 +304,14 @@ class BatchedPrepareFinalize(PrepareFinalize):
         return ws["b_y_batched"].view(inner.E, inner.max_tokens_per_expert, inner.H)
 
 
-@step
-def _scatter(
-    c,
-    b_keys,
-    b_sorted_keys,
-    b_order,
-    b_offsets,
-    b_counts,
-    b_rank,
-    b_dest,
-    b_ok,
-    b_bad,
-    b_a_sorted,
-    b_w_sorted,
-    b_slot_dest,
-    b_num_tokens,
-    b_a_batched,
-):
+@step(group=SCATTER_BUFFERS)
+def _scatter(c, *b):
     x, p, pf = c.x, c.p, c.component
     T = pf.tokens_per_expert(p.M)
     ids = x.topk_ids if x.topk_ids.is_contiguous() else x.topk_ids.contiguous()
     mc = pf.max_count(x.hidden_states.device)
-    bufs = ScatterBuffers(
-        b_keys,
-        b_sorted_keys,
-        b_order,
-        b_offsets,
-        b_counts,
-        b_rank,
-        b_dest,
-        b_ok,
-        b_bad,
-        b_a_sorted,
-        b_w_sorted,
-        b_slot_dest,
-        b_num_tokens,
-        b_a_batched,
-    )
     a, num_tokens = scatter_batched(
-        bufs,
+        ScatterBuffers(*b),
         x.hidden_states,
         ids,
         x.topk_weights,
@@ -328,21 +330,7 @@ def _scatter(
                 f"an expert received {worst} tokens but max_tokens_per_expert is {T}: raise the cap (or "
                 f"pass max_tokens_per_expert=None for the static bound M={p.M}); the excess was dropped"
             )
-    c.prepared = ExpertsInputs(
-        hidden_states=a,
-        w1=x.w1,
-        w2=x.w2,
-        topk_weights=None,
-        topk_ids=None,
-        expert_map=None,
-        expert_num_tokens=num_tokens,
-        w1_scale=x.w1_scale,
-        w2_scale=x.w2_scale,
-        a1_scale=x.a1_scale,
-        a2_scale=x.a2_scale,
-        w1_bias=x.w1_bias,
-        w2_bias=x.w2_bias,
-    )
+    c.prepared = prepared_inputs(x, a, expert_num_tokens=num_tokens, a1_scale=x.a1_scale)
 
 
 @step
@@ -357,12 +345,14 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 __all__ = [
+    "SCATTER_BUFFERS",
     "BatchedCapacityError",
     "BatchedPrepareFinalize",
     "GatherBuffers",
     "ScatterBuffers",
     "gather_batched",
     "gather_plan",
+    "prepared_inputs",
     "scatter_batched",
     "scatter_plan",
 ]
