@@ -261,6 +261,10 @@ def fused_moe_op(
             topk_weights=topk_weights,
             w1_bias=w1_bias,
             w2_bias=w2_bias,
+            w1_scale=w1_scale,
+            w2_scale=w2_scale,
+            a1_scale=a1_scale,
+            a2_scale=a2_scale,
         )
     if quant is not None and not isinstance(quant, str):
         if tuple(quant.block_shape) != (128, 128) and quant.mode == "fp8_block":
