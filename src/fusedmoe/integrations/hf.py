@@ -543,16 +543,16 @@ class FusedMoEBlock(nn.Module):
     ``FusedMoEBlock`` + the original class (same object, same submodules and tensors, so the same state dict).
 
     Its forward computes the router logits exactly as the original router does (running the router module
-    itself while a hook, e.g. ``output_router_logits``, records it), routes and runs the routed experts in a
-    :class:`fusedmoe.FusedMoE` layer (:attr:`moe`) that holds the block's own weight tensors, and adds the
-    block's own shared experts. In training mode Mixtral's router jitter multiplies the block's input by noise
-    drawn exactly as transformers draws it (out of place: the caller's tensor is not modified). It runs the
-    original class's forward instead while the model's experts implementation is not the one set by
-    :func:`patch_model` (after ``set_experts_implementation``) and for inputs of a dtype fusedmoe does not
-    compute (float64, with a warning). gpt-oss's block returns ``(hidden, None)``: the router scores it returns
-    beside the hidden states are not computed (its decoder layer discards them).
+    itself while a hook, e.g. ``output_router_logits``, records it, and whenever it trains), routes and runs
+    the routed experts in a :class:`fusedmoe.FusedMoE` layer (:attr:`moe`) that holds the block's own weight
+    tensors, and adds the block's own shared experts. In training mode Mixtral's router jitter multiplies the
+    block's input by noise drawn exactly as transformers draws it (out of place: the caller's tensor is not
+    modified). It runs the original class's forward instead while the model's experts implementation is not
+    the one set by :func:`patch_model` (after ``set_experts_implementation``) and for inputs of a dtype
+    fusedmoe does not compute (float64, with a warning). gpt-oss's block returns ``(hidden, None)``: the router
+    scores it returns beside the hidden states are not computed (its decoder layer discards them).
 
-    Training: while autograd records and the logits, the input or an expert parameter requires grad, the block
+    Training: while autograd records and the input, a router or an expert parameter requires grad, the block
     routes with :meth:`FusedMoE.route` (differentiable torch ops, so the router gets its gradient) and runs the
     experts module's own parameters through the differentiable ``fused_moe`` (gpt-oss's converted per call),
     not through :attr:`moe`, whose gpt-oss experts are an inference copy (a direct call of it that would train
