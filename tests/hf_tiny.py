@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -131,9 +133,38 @@ def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, device="cpu"
     return model.to(device=device, dtype=dtype).eval()
 
 
+def use_fusedmoe(model: torch.nn.Module, mode: str):
+    """Switch ``model`` to fusedmoe: ``patch_model`` for mode "patch", else the registered experts
+    implementation (with a workspace manager of its own); the manager whose call count shows fusedmoe ran."""
+    from fusedmoe.integrations import hf
+
+    if mode == "patch":
+        return hf.patch_model(model)
+    hf.register()
+    model.set_experts_implementation("fusedmoe")
+    return hf.attach_workspace(model)
+
+
+def fusedmoe_pair(model_type: str, mode: str, **kwargs):
+    """(a tiny model on transformers' default experts implementation, an identical copy switched to fusedmoe by
+    :func:`use_fusedmoe`, its manager). ``kwargs`` go to :func:`tiny_model`."""
+    ref = tiny_model(model_type, **kwargs)
+    model = copy.deepcopy(ref)
+    return ref, model, use_fusedmoe(model, mode)
+
+
 def prompt(batch: int = 2, length: int = 12, seed: int = 1, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, COMMON["vocab_size"], (batch, length), generator=g).to(device)
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [3, 10], attention mask): row 1 left-padded, row 2 right-padded (pad id 1)."""
+    ids = prompt(batch=3, length=10)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 7:] = 0  # right padding
+    return ids.masked_fill(mask == 0, 1), mask
 
 
 def routed_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -15,7 +15,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_tiny import ARCHS, one_thread, prompt, tiny_model  # noqa: E402, F401 (one_thread: a fixture)
+from hf_tiny import (  # noqa: E402
+    ARCHS,
+    fusedmoe_pair,
+    one_thread,  # noqa: F401 (a fixture)
+    padded_batch,
+    prompt,
+    tiny_model,
+    use_fusedmoe,
+)
 
 from fusedmoe.integrations import hf  # noqa: E402
 from fusedmoe.reference import relative_error  # noqa: E402
@@ -32,32 +40,9 @@ def _registered():
     hf.register()
 
 
-def _use_fusedmoe(model, mode):
-    """Switch ``model`` to fusedmoe; the workspace manager whose call count shows fusedmoe ran."""
-    if mode == "patch":
-        return hf.patch_model(model)
-    model.set_experts_implementation("fusedmoe")
-    return hf.attach_workspace(model)
-
-
-def _pair(arch, mode, **overrides):
-    """(the model on transformers' default implementation, an identical copy on fusedmoe, its manager)."""
-    ref = tiny_model(arch, **overrides)
-    model = copy.deepcopy(ref)
-    return ref, model, _use_fusedmoe(model, mode)
-
-
 def _run(model, ids, **kw):
     with torch.no_grad():
         return model(ids, **kw)
-
-
-def _padded_batch():
-    ids = prompt(batch=3, length=10)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
-    mask[2, 7:] = 0  # right padding
-    return ids.masked_fill(mask == 0, 1), mask
 
 
 params = pytest.mark.parametrize("mode", MODES)
@@ -68,8 +53,8 @@ archs = pytest.mark.parametrize("arch", ARCHS)
 @params
 @archs
 def test_forward_with_and_without_padding(arch, mode):
-    ref, model, manager = _pair(arch, mode)
-    ids, mask = _padded_batch()
+    ref, model, manager = fusedmoe_pair(arch, mode)
+    ids, mask = padded_batch()
     for kw in ({}, {"attention_mask": mask}):
         out, expected = _run(model, ids, **kw).logits, _run(ref, ids, **kw).logits
         valid = mask.bool() if kw else torch.ones_like(mask, dtype=torch.bool)
@@ -83,8 +68,8 @@ def test_forward_with_and_without_padding(arch, mode):
 def test_router_logits_and_aux_loss(arch, mode):
     """output_router_logits as an argument and as the config flag: the same router logits (transformers'
     recorders see the routers run) and the same load-balancing loss."""
-    ref, model, manager = _pair(arch, mode)
-    ids, mask = _padded_batch()
+    ref, model, manager = fusedmoe_pair(arch, mode)
+    ids, mask = padded_batch()
     for how in ("argument", "config"):
         kw = dict(attention_mask=mask, labels=ids)
         if how == "argument":
@@ -128,7 +113,7 @@ def _generate(model, ids, how, assistant):
 @params
 @archs
 def test_generate(arch, mode):
-    ref, model, manager = _pair(arch, mode)
+    ref, model, manager = fusedmoe_pair(arch, mode)
     assistant = copy.deepcopy(ref)
     ids = prompt(batch=1, length=8)
     for how in GENERATE:
@@ -157,7 +142,7 @@ def test_save_pretrained_and_from_pretrained(arch, mode, tmp_path):
     either gives identical logits, and a loaded model switched to fusedmoe matches the switched original."""
     from transformers import AutoModelForCausalLM
 
-    ref, model, _ = _pair(arch, mode)
+    ref, model, _ = fusedmoe_pair(arch, mode)
     ids = prompt()
     fused_logits = _run(model, ids).logits
     ref.save_pretrained(tmp_path / "before")
@@ -173,7 +158,7 @@ def test_save_pretrained_and_from_pretrained(arch, mode, tmp_path):
     expected = _run(ref, ids).logits
     assert torch.equal(_run(loaded["before"], ids).logits, expected)
     assert torch.equal(_run(loaded["after"], ids).logits, expected)
-    _use_fusedmoe(loaded["after"], mode)
+    use_fusedmoe(loaded["after"], mode)
     assert torch.equal(_run(loaded["after"], ids).logits, fused_logits)
 
 
@@ -230,7 +215,7 @@ def test_load_state_dict_into_patched_model(arch):
 @params
 @archs
 def test_resize_token_embeddings(arch, mode):
-    ref, model, manager = _pair(arch, mode)
+    ref, model, manager = fusedmoe_pair(arch, mode)
     vocab = ref.config.vocab_size + 24
     for m in (ref, model):
         torch.manual_seed(7)  # the new rows are drawn at random
@@ -247,7 +232,7 @@ def test_resize_token_embeddings(arch, mode):
 def test_dtype_casts(arch, mode):
     """bf16 and back (the layers follow the cast tensors), float64 (transformers' own code runs it, with a
     warning: bit-identical to transformers' eager model) and back to float32 (fusedmoe again)."""
-    ref, model, manager = _pair(arch, mode)
+    ref, model, manager = fusedmoe_pair(arch, mode)
     ids = prompt()
     for m in (ref, model):
         m.to(torch.bfloat16).to(torch.float32)
@@ -299,7 +284,7 @@ def test_set_experts_implementation_after_patch(arch):
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gpt_oss"])
 def test_exact_gelu_models(arch, mode):
     """hidden_act="gelu" (exact GELU, transformers' test default) runs fusedmoe's "gelu_exact"."""
-    ref, model, manager = _pair(arch, mode, hidden_act="gelu")
+    ref, model, manager = fusedmoe_pair(arch, mode, hidden_act="gelu")
     ids = prompt()
     assert relative_error(_run(model, ids).logits, _run(ref, ids).logits) < TOL
     assert manager.stats.calls > 0
@@ -320,7 +305,7 @@ DEEPSEEK_FILL = {  # top_k beyond the experts of the kept groups: the last slots
 @pytest.mark.parametrize("case", DEEPSEEK_FILL)
 def test_deepseek_top_k_beyond_kept_groups(case, mode):
     arch, overrides = DEEPSEEK_FILL[case]
-    ref, model, manager = _pair(arch, mode, **overrides)
+    ref, model, manager = fusedmoe_pair(arch, mode, **overrides)
     ids = prompt()
     assert relative_error(_run(model, ids).logits, _run(ref, ids).logits) < TOL
     assert manager.stats.calls > 0
@@ -343,7 +328,7 @@ def test_unsupported_model_is_refused_at_setup_and_keeps_working(arch, mode):
     name = "model.layers.1.mlp" if arch == "deepseek_v3" else "model.layers.0.mlp"  # v3's layer 0 is dense
     what = "swiglu" if arch == "gpt_oss" else "hidden_act='relu'"
     with pytest.raises(NotImplementedError, match=rf"{name}[\s\S]*{what}"):
-        _use_fusedmoe(model, mode)
+        use_fusedmoe(model, mode)
     assert model.get_experts_implementation() == implementation
     assert not hf.patched_blocks(model)
     assert torch.equal(_run(model, ids).logits, expected)
@@ -367,7 +352,7 @@ def test_patch_twice_is_refused():
 
 # ---- torch.export and torch.compile --------------------------------------------------------------------------
 def _export_parity(arch, mode):
-    ref, model, manager = _pair(arch, mode)
+    ref, model, manager = fusedmoe_pair(arch, mode)
     ids = prompt()
     try:
         with torch.no_grad():
@@ -402,7 +387,7 @@ def test_export_every_architecture(arch, mode):
 @archs
 def test_compile_fullgraph_every_architecture(arch, mode):
     torch._dynamo.reset()  # every model compiles the same transformers code: keep under the recompile limit
-    ref, model, manager = _pair(arch, mode)
+    ref, model, manager = fusedmoe_pair(arch, mode)
     ids = prompt()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     calls = manager.stats.calls

@@ -1,6 +1,6 @@
-"""No silent gradient drop: calls without a backward (fp8, patch_model for now) raise a typed error naming the
-remedy when autograd would need a gradient of their result (and run as before under no_grad / inference mode);
-the others (fused_moe, the registered op, FusedMoE) build the graph."""
+"""No silent gradient drop: calls without a backward (fp8) raise a typed error naming the remedy when autograd
+would need a gradient of their result (and run as before under no_grad / inference mode); the others
+(fused_moe, the registered op, FusedMoE, a patched transformers model) build the graph."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ def test_layer_trains_only_when_asked():
         torch.testing.assert_close(layer(x), out.detach(), rtol=0, atol=0)
 
 
-def test_patch_model_refuses_training():
+def test_patch_model_trains():
+    """A patched model builds the graph: the routers and the experts get gradients (their agreement with
+    transformers' is tests/test_hf_training.py), and it still runs under no_grad."""
     pytest.importorskip("transformers")
     from hf_tiny import tiny_config
     from transformers import AutoModelForCausalLM
@@ -81,7 +83,32 @@ def test_patch_model_refuses_training():
     patch_model(model)
     ids = torch.randint(0, 128, (1, 6))
     model.train()
-    with pytest.raises(GradientNotSupportedError, match=REMEDY):
-        model(ids, labels=ids).loss.backward()
+    model(ids, labels=ids).loss.backward()
+    mlp = model.model.layers[0].mlp
+    for p in (mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_patched_gpt_oss_layer_refuses_training_its_inference_copy():
+    """A patched gpt-oss block's FusedMoE layer computes with a converted inference copy of the experts: called
+    directly while they require grad it raises (their gradient would be lost); the block itself trains them."""
+    pytest.importorskip("transformers")
+    from hf_tiny import tiny_model
+
+    from fusedmoe.integrations.hf import patch_model
+
+    model = tiny_model("gpt_oss")
+    patch_model(model)
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, model.config.hidden_size)
+    with pytest.raises(GradientNotSupportedError, match=rf"experts\.gate_up_proj.*call the block.*{REMEDY}"):
+        block.moe(x)
+    block(x)[0].sum().backward()
+    assert block.experts.gate_up_proj.grad is not None and block.experts.down_proj_bias.grad is not None
+    with torch.no_grad():
+        assert torch.isfinite(block.moe(x)).all()
+    block.experts.requires_grad_(False)  # frozen experts: the copy serves, the router still trains
+    block.moe(x).sum().backward()
+    assert block.router.weight.grad is not None

@@ -7,7 +7,8 @@ Two ways in:
   runs every ``@use_experts_implementation`` experts module through fusedmoe's kernels. Routing stays
   transformers' (the function receives ``top_k_index`` / ``top_k_weights``); only the experts are replaced.
   Standard layout (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) is used in place; gpt-oss's layout is
-  converted once per module and cached (a second copy of its expert weights).
+  converted once per module and cached for inference (a second copy of its expert weights), and converted in
+  differentiable ops on every call that trains its experts.
 - :func:`patch_model` makes whole MoE blocks (router, routed experts) run through :class:`fusedmoe.FusedMoE`
   layers. A patched block is the same module object with the same submodules, parameters and buffers (so
   ``state_dict``, ``save_pretrained``, ``load_state_dict``, ``named_parameters`` and ``.to()`` see exactly
@@ -20,9 +21,11 @@ Both refuse, when they are set up, a model they cannot compute exactly (a NotImp
 and what is unsupported), and leave the model as it was. float64 models run transformers' own code (fusedmoe's
 kernels compute in float32 at best), with a warning.
 
-Both are inference paths so far: a forward that would need a gradient (autograd recording and a weight or input
-requiring grad) raises :class:`fusedmoe.checks.GradientNotSupportedError` instead of dropping the gradient;
-run inference under ``torch.no_grad()`` / ``torch.inference_mode()`` (``generate`` does).
+Both train: a forward that autograd records while an input or a parameter requires grad computes the experts
+through fusedmoe's differentiable ``fused_moe`` on the model's own parameters (routing in differentiable torch
+ops), so every parameter gets transformers' gradient and a parameter the user froze gets none; ``requires_grad``
+is never changed. Inference under ``torch.no_grad()`` / ``torch.inference_mode()`` (``generate``) takes the
+inference path.
 
 What does not match transformers, and why: docs/transformers.md.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -263,9 +267,26 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _expert_weights(experts: nn.Module):
-    """(w1, w2, w1_bias, w2_bias) in fusedmoe's layout for a transformers experts module: its own tensors, or
-    for gpt-oss a converted copy, made once and remade when a source tensor changes (storage, version, dtype,
-    device; checked in eager mode, reused as is while compiling)."""
+    """(w1, w2, w1_bias, w2_bias) in fusedmoe's layout for a transformers experts module, to compute a forward
+    with: its own tensors (standard layout), or gpt-oss's converted to fusedmoe's layout.
+
+    gpt-oss: while autograd records and one of its expert parameters requires grad, the conversion runs in
+    differentiable ops on every call (no cache), so the gradients reach ``gate_up_proj``, ``down_proj`` and their
+    biases; otherwise the inference copy of :func:`_layer_weights` (converted once)."""
+    if getattr(experts, "is_transposed", False):
+        params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            w1, b1, w2, b2 = gpt_oss_to_fused(*params)
+            return w1, w2, b1, b2
+    return _layer_weights(experts)
+
+
+def _layer_weights(experts: nn.Module):
+    """(w1, w2, w1_bias, w2_bias) in fusedmoe's layout that a layer can hold as parameters: the module's own
+    Parameter objects, or for gpt-oss a converted copy (no autograd history, ``requires_grad=False``), made
+    once and remade when a source tensor changes (storage, version, dtype, device; checked in eager mode, reused
+    as is while compiling). The copy is for inference: a forward that trains gpt-oss's experts computes with
+    :func:`_expert_weights`."""
     if not getattr(experts, "is_transposed", False):
         b1 = getattr(experts, "gate_up_proj_bias", None) if getattr(experts, "has_bias", False) else None
         b2 = getattr(experts, "down_proj_bias", None) if getattr(experts, "has_bias", False) else None
@@ -275,7 +296,7 @@ def _expert_weights(experts: nn.Module):
     if torch.compiler.is_compiling():
         if cached is not None:
             return cached[1]
-        w1, b1, w2, b2 = gpt_oss_to_fused(*params)
+        w1, b1, w2, b2 = gpt_oss_to_fused(*(p.detach() for p in params))
         return w1, w2, b1, b2
     key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
     if cached is None or cached[0] != key:
@@ -326,12 +347,28 @@ def fusedmoe_experts_forward(
             self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' eager experts", reason
         )
         return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
-    w1, w2, b1, b2 = _expert_weights(self)
+    workspace = getattr(self, "_fusedmoe_workspace", None)
+    backend = getattr(self, "_fusedmoe_backend", "auto")
+    return _run_experts(self, hidden_states, top_k_index, top_k_weights, activation, workspace, backend)
+
+
+def _run_experts(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    activation: str,
+    workspace: WorkspaceManager | None,
+    backend: str,
+) -> torch.Tensor:
+    """The routed experts of the transformers module ``experts`` on its own parameters, through fusedmoe: [T, H]
+    in hidden's dtype. Differentiable in the hidden states, the routing weights and every expert parameter
+    (gpt-oss's converted per call while they need a gradient, :func:`_expert_weights`); casts and the gather of
+    dense [T, E] routing weights are autograd ops too."""
+    w1, w2, b1, b2 = _expert_weights(experts)
     if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights (older DeepSeek-V2 style)
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
     weights = top_k_weights.float()
-    workspace = getattr(self, "_fusedmoe_workspace", None)
-    backend = getattr(self, "_fusedmoe_backend", "auto")
     x = hidden_states
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
@@ -441,7 +478,27 @@ def _build_layer(block: nn.Module, patch: _Patch) -> FusedMoE:
     kw = layer_kwargs(config, shared_experts=False)
     layer = FusedMoE(**kw, device="meta", dtype=torch.float32, workspace=None, backend=patch.backend)
     _sync(block, patch, layer)
+    if patch.model_type == "gpt_oss":
+        layer.register_forward_pre_hook(_copy_does_not_train(weakref.ref(block)))
     return layer
+
+
+def _copy_does_not_train(block_ref):
+    """A forward pre-hook for the layer of a patched gpt-oss block: it holds an inference copy of the experts
+    (fusedmoe's layout), which their gradients would not reach, so a direct call that would train them raises
+    (the block's forward trains them: it converts them differentiably)."""
+
+    def hook(layer, args):
+        block = block_ref()
+        if block is not None and torch.is_grad_enabled():
+            forbid_gradients(
+                f"{type(block).__name__}.moe (a patched gpt-oss block's FusedMoE layer, called directly)",
+                "it computes with a converted inference copy of the experts that their gradients would not reach; "
+                "call the block itself to train them",
+                **{f"experts.{name}": getattr(block.experts, name) for name in _EXPERT_PARAMS},
+            )
+
+    return hook
 
 
 def _sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> None:
@@ -449,7 +506,7 @@ def _sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> None:
     converted copy) and at the workspace manager of their device."""
     experts = block.experts
     router = _router_of(block, patch.model_type)
-    w1, w2, b1, b2 = _expert_weights(experts)
+    w1, w2, b1, b2 = _layer_weights(experts)
     P = layer._parameters
     P["w1"], P["w2"], P["gate"] = w1, w2, router.weight
     if b1 is not None or b2 is not None:
@@ -468,7 +525,7 @@ def _in_sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> bool:
     router = _router_of(block, patch.model_type)
     P = layer._parameters
     if patch.model_type == "gpt_oss":
-        w = _expert_weights(experts)
+        w = _layer_weights(experts)
         if P["w1"] is not w[0] or P["gate_bias"] is not router.bias:
             return False
     elif P["w1"] is not experts.gate_up_proj or P["w2"] is not experts.down_proj:
@@ -486,13 +543,20 @@ class FusedMoEBlock(nn.Module):
     ``FusedMoEBlock`` + the original class (same object, same submodules and tensors, so the same state dict).
 
     Its forward computes the router logits exactly as the original router does (running the router module
-    itself while a hook, e.g. ``output_router_logits``, records it), routes and runs the routed experts in a
-    :class:`fusedmoe.FusedMoE` layer (:attr:`moe`) that holds the block's own weight tensors, and adds the
-    block's own shared experts. It runs the original class's forward instead while the model's experts
-    implementation is not the one set by :func:`patch_model` (after ``set_experts_implementation``), for
-    inputs of a dtype fusedmoe does not compute (float64, with a warning), and for Mixtral's training-mode
-    router jitter. gpt-oss's block returns ``(hidden, None)``: the router scores it returns beside the hidden
-    states are not computed (its decoder layer discards them).
+    itself while a hook, e.g. ``output_router_logits``, records it, and whenever it trains), routes and runs
+    the routed experts in a :class:`fusedmoe.FusedMoE` layer (:attr:`moe`) that holds the block's own weight
+    tensors, and adds the block's own shared experts. In training mode Mixtral's router jitter multiplies the
+    block's input by noise drawn exactly as transformers draws it (out of place: the caller's tensor is not
+    modified). It runs the original class's forward instead while the model's experts implementation is not
+    the one set by :func:`patch_model` (after ``set_experts_implementation``) and for inputs of a dtype
+    fusedmoe does not compute (float64, with a warning). gpt-oss's block returns ``(hidden, None)``: the router
+    scores it returns beside the hidden states are not computed (its decoder layer discards them).
+
+    Training: while autograd records and the input, a router or an expert parameter requires grad, the block
+    routes with :meth:`FusedMoE.route` (differentiable torch ops, so the router gets its gradient) and runs the
+    experts module's own parameters through the differentiable ``fused_moe`` (gpt-oss's converted per call),
+    not through :attr:`moe`, whose gpt-oss experts are an inference copy (a direct call of it that would train
+    them raises :class:`~fusedmoe.checks.GradientNotSupportedError`).
     """
 
     @property
@@ -527,7 +591,7 @@ class FusedMoEBlock(nn.Module):
                 _dtype_unsupported(hidden_states.dtype),
             )
             return False
-        return not (self.training and getattr(self, "jitter_noise", 0) > 0)
+        return True
 
     def forward(self, hidden_states: torch.Tensor):
         if not self._fused_path(hidden_states):
@@ -535,20 +599,27 @@ class FusedMoEBlock(nn.Module):
         patch = self.__dict__["_fusedmoe"]
         model_type = patch.model_type
         layer = self.moe
+        jitter = getattr(self, "jitter_noise", 0) if self.training else 0
+        if jitter > 0:  # Mixtral's training-mode router jitter: the same draw as transformers' (same RNG use)
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         router = _router_of(self, model_type)
-        if torch.is_grad_enabled():
-            forbid_gradients(
-                f"patched {model_type} MoE block",
-                "patch_model does not train yet (the experts interface does)",
-                hidden_states=hidden_states,
-                **dict(self.named_parameters()),
-            )
-        if _observed(router):
+        trains = torch.is_grad_enabled() and (
+            x.requires_grad or any(p.requires_grad for m in (router, self.experts) for p in m.parameters())
+        )
+        if trains or _observed(router):
+            # training runs the router module whether observed or not: an activation-checkpointing recompute
+            # (where no recorder is active) then builds the graph its forward built
             logits = router(hidden_states if model_type.startswith("deepseek") else x)[0]
         else:
             logits = _router_logits(router, model_type, x)
-        out = layer(x, logits)
+        if trains:
+            # route in differentiable torch ops and run the experts on the experts module's own parameters
+            # (gpt-oss's converted per call), so every gradient lands on the model's leaves
+            weights, ids = layer.route(x, logits)
+            out = _run_experts(self.experts, x, ids, weights, layer.activation, layer.workspace, layer.backend)
+        else:
+            out = layer(x, logits)
         if model_type == "qwen2_moe":
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out = out.view(hidden_states.shape)
@@ -609,7 +680,8 @@ def patch_model(
     All patched layers share ``workspace`` (a new ``shared`` manager on the model's device when None), which is
     returned; moving the model to another device gives its blocks one new manager there. No weight is copied
     (gpt-oss's experts are converted to fusedmoe's layout: a second copy until :func:`unpatch_model`), and the
-    model's modules, parameters, buffers and state-dict names stay transformers' own.
+    model's modules, parameters (their ``requires_grad`` included), buffers and state-dict names stay
+    transformers' own. The patched model trains: its gradients are those of the model's own parameters.
 
     Raises, before changing anything: ValueError if the model has no supported MoE block or is patched
     already; NotImplementedError naming every block fusedmoe cannot compute exactly, and why. A float64 model
