@@ -11,14 +11,12 @@ from two disjoint arenas.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
 
 import pytest
 import torch
-from hardening_util import Launch, decode_path
 
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe
 from fusedmoe.ops.configs import MoEConfig, pinned_config
@@ -27,12 +25,7 @@ from fusedmoe.workspace.plan import BufferSpec, WorkspacePlan
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
-# (backend, Triton decode path on?): the two-launch decode path serves calls of <= 16 slots when switched on
-BACKENDS = [
-    pytest.param("torch", False, id="torch"),
-    pytest.param("triton", False, id="triton", marks=_interp),
-    pytest.param("triton", True, id="triton-decode", marks=_interp),
-]
+BACKENDS = ["torch", pytest.param("triton", marks=_interp)]
 H, I, E, K = 40, 24, 4, 2
 TIMEOUT = 60
 
@@ -89,8 +82,7 @@ def run_threads(fns, barrier: threading.Barrier | None = None) -> list:
 
 
 def pause_before_first_gemm(monkeypatch, backend: str, barrier: threading.Barrier) -> None:
-    """Each thread, at its first GEMM of the call (the decode path: its second launch, which reads the first's
-    output from the arena), waits until the other thread got there too."""
+    """Each thread, at its first GEMM of the call, waits until the other thread got there too."""
     local = threading.local()
 
     def wait_once():
@@ -132,22 +124,10 @@ def pause_before_first_gemm(monkeypatch, backend: str, barrier: threading.Barrie
         for name in ("moe_align", "moe_gemm1", "moe_gemm2", "moe_reduce", "quantize_activation"):
             serialized(name, name == "moe_gemm1")
 
-        from fusedmoe.ops import decode
 
-        @contextlib.contextmanager
-        def locked(pause=False):
-            if pause:
-                wait_once()
-            with lock:
-                yield
-
-        monkeypatch.setattr(decode, "_decode_gemm1", Launch(decode._decode_gemm1, locked))
-        monkeypatch.setattr(decode, "_decode_gemm2", Launch(decode._decode_gemm2, lambda: locked(pause=True)))
-
-
-def interleaved_pair(monkeypatch, backend: str, slots: tuple[str, str], poison: bool, decode: bool):
-    """Two same-shape calls (7 tokens x top-2: 14 slots, on the decode path when it is switched on) with different
-    data, forced to interleave; returns (outputs, inputs, arena log)."""
+def interleaved_pair(monkeypatch, backend: str, slots: tuple[str, str], poison: bool):
+    """Two same-shape calls (7 tokens x top-2) with different data, forced to interleave; returns (outputs,
+    inputs, arena log)."""
     # The interleaving is forced inside the steps' kernel wrappers, which a replayed call does not run.
     from fusedmoe.ops import launcher
 
@@ -171,15 +151,14 @@ def interleaved_pair(monkeypatch, backend: str, slots: tuple[str, str], poison: 
 
         return fn
 
-    with decode_path(decode):
-        outs = run_threads([call(0), call(1)], barrier)
+    outs = run_threads([call(0), call(1)], barrier)
     return outs, inputs, log
 
 
 @pytest.mark.parametrize("poison", [False, True], ids=["plain", "poison"])
-@pytest.mark.parametrize("backend,decode", BACKENDS)
-def test_two_slots_survive_a_worst_case_interleaving(backend, decode, poison, monkeypatch):
-    outs, inputs, log = interleaved_pair(monkeypatch, backend, ("slot-a", "slot-b"), poison, decode)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_slots_survive_a_worst_case_interleaving(backend, poison, monkeypatch):
+    outs, inputs, log = interleaved_pair(monkeypatch, backend, ("slot-a", "slot-b"), poison)
     assert all(correct(o, a) for o, a in zip(outs, inputs))
     (sa, a0, a1), (sb, b0, b1) = sorted(log, key=lambda r: r[0])
     assert {sa, sb} == {"slot-a", "slot-b"}
@@ -187,8 +166,8 @@ def test_two_slots_survive_a_worst_case_interleaving(backend, decode, poison, mo
 
 
 @pytest.mark.parametrize("poison", [False, True], ids=["plain", "poison"])
-@pytest.mark.parametrize("backend,decode", BACKENDS)
-def test_control_a_deliberately_shared_slot_is_detected(backend, decode, poison, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_control_a_deliberately_shared_slot_is_detected(backend, poison, monkeypatch):
     """The same schedule with both calls in one slot: the test's detector must fire (the two calls were served
     the same bytes, and a result is wrong, or a call fails on the other's poison or indices). This is what the
     test above would see if slots were shared. Intra-op threads are off: a thread that fails inside a parallel
@@ -196,7 +175,7 @@ def test_control_a_deliberately_shared_slot_is_detected(backend, decode, poison,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        outs, inputs, log = interleaved_pair(monkeypatch, backend, ("same", "same"), poison, decode)
+        outs, inputs, log = interleaved_pair(monkeypatch, backend, ("same", "same"), poison)
     except (IndexError, RuntimeError, threading.BrokenBarrierError):  # corrupted indices: detected too
         return
     finally:

@@ -10,12 +10,10 @@ bit-identical output (so the failed call left nothing a later call could depend 
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 import torch
-from hardening_util import Launch, decode_path
 
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe
 from fusedmoe.ops.configs import MoEConfig, pinned_config
@@ -23,12 +21,7 @@ from fusedmoe.reference import fused_moe_reference, relative_error
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
-# (backend, Triton decode path on?): with the decode path on, calls of <= 16 slots take its two launches
-BACKENDS = [
-    pytest.param("torch", False, id="torch"),
-    pytest.param("triton", False, id="triton", marks=_interp),
-    pytest.param("triton", True, id="triton-decode", marks=_interp),
-]
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=_interp)]
 
 
 def _slow(params, ids):
@@ -49,7 +42,7 @@ def _pin():
         yield
 
 
-def args(M: int = 7, seed: int = 0) -> dict:  # 14 slots: on the decode path when it is switched on
+def args(M: int = 7, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
         "hidden_states": torch.randn(M, H, generator=g),
@@ -85,10 +78,9 @@ def assert_recovers(mgr: WorkspaceManager, backend: str, seed: int = 5, **kw) ->
 
 def inject(monkeypatch, backend: str, after: int = 0) -> list:
     """Make the experts raise ``Injected`` mid-call: torch at its (after+1)-th GEMM (sort, gather and the
-    segment offsets are already in the arena), Triton in the GEMM2 wrapper (alignment and GEMM1 already ran) or,
-    on the decode path, at the launch of its second kernel (the first wrote ``act``). Returns a one-element list
-    counting the calls reaching the injection point. Replay is switched off: the injection sits in the step
-    wrappers, which a replayed call does not run."""
+    segment offsets are already in the arena), Triton in the GEMM2 wrapper (alignment and GEMM1 already ran).
+    Returns a one-element list counting the calls reaching the injection point. Replay is switched off: the
+    injection sits in the step wrappers, which a replayed call does not run."""
     from fusedmoe.ops import launcher
 
     monkeypatch.setattr(launcher, "ENABLED", False)
@@ -110,39 +102,23 @@ def inject(monkeypatch, backend: str, after: int = 0) -> list:
         monkeypatch.setattr(mod, "torch", FailingTorch())
     else:
         import fusedmoe.experts.triton_experts as mod
-        from fusedmoe.ops import decode
 
         real = mod.moe_gemm2
 
-        def hit():
+        def gemm2(*a, **k):
             seen[0] += 1
             if seen[0] > after:
-                raise Injected("injected failure in moe_gemm2 / the decode path's second launch")
-
-        def gemm2(*a, **k):
-            hit()
+                raise Injected("injected failure in moe_gemm2")
             return real(*a, **k)
 
         monkeypatch.setattr(mod, "moe_gemm2", gemm2)
-
-        @contextlib.contextmanager
-        def hit_first():
-            hit()
-            yield
-
-        monkeypatch.setattr(decode, "_decode_gemm2", Launch(decode._decode_gemm2, hit_first))
     return seen
 
 
 @pytest.mark.parametrize("strategy", ["shared", "per_layer"])
 @pytest.mark.parametrize("poison", [False, True], ids=["plain", "poison"])
-@pytest.mark.parametrize("backend,decode", _slow(BACKENDS, {"triton-decode"}))
-def test_failure_inside_the_experts_after_scratch_was_written(backend, decode, poison, strategy, monkeypatch):
-    with decode_path(decode):
-        _failure_inside_the_experts(backend, poison, strategy, monkeypatch)
-
-
-def _failure_inside_the_experts(backend, poison, strategy, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failure_inside_the_experts_after_scratch_was_written(backend, poison, strategy, monkeypatch):
     mgr = WorkspaceManager("cpu", strategy=strategy, poison=poison)
     assert_recovers(mgr, backend, seed=1)  # warm arena
     before = (mgr.stats.reserved_bytes, mgr.stats.growths, mgr.stats.device_allocations, arenas(mgr))
@@ -158,14 +134,9 @@ def _failure_inside_the_experts(backend, poison, strategy, monkeypatch):
     assert_recovers(mgr, backend)
 
 
-@pytest.mark.parametrize("backend,decode", BACKENDS)
-def test_failure_with_caller_workspaces_then_reuse_them(backend, decode, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failure_with_caller_workspaces_then_reuse_them(backend, monkeypatch):
     """A failed call wrote part of the caller's buffers; the same buffers serve the next call correctly."""
-    with decode_path(decode):
-        _failure_with_caller_workspaces(backend, monkeypatch)
-
-
-def _failure_with_caller_workspaces(backend, monkeypatch):
     ws13 = torch.full((1 << 16,), 0x7F, dtype=torch.uint8)
     ws2 = torch.full((1 << 16,), 0x7F, dtype=torch.uint8)
     inject(monkeypatch, backend)
@@ -175,14 +146,9 @@ def _failure_with_caller_workspaces(backend, monkeypatch):
     assert_recovers(WorkspaceManager("cpu"), backend, workspace13=ws13, workspace2=ws2)
 
 
-@pytest.mark.parametrize("backend,decode", _slow(BACKENDS, {"triton", "triton-decode"}))
-def test_failure_in_the_middle_of_a_layer_stack(backend, decode, monkeypatch):
+@pytest.mark.parametrize("backend", _slow(BACKENDS, {"triton"}))
+def test_failure_in_the_middle_of_a_layer_stack(backend, monkeypatch):
     """Layer 3 of 6 fails mid-call; the next forward of the whole stack equals the one before the failure."""
-    with decode_path(decode):
-        _failure_in_a_stack(backend, monkeypatch)
-
-
-def _failure_in_a_stack(backend, monkeypatch):
     mgr = WorkspaceManager("cpu", poison=True)
     torch.manual_seed(0)
     layers = [FusedMoE(E, K, H, I, workspace=mgr, backend=backend) for _ in range(6)]

@@ -34,8 +34,7 @@ from fusedmoe.workspace.manager import Workspace, poison_views
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _interp = pytest.mark.skipif(not INTERPRETING, reason="interpreter")
-# "triton-decode": the Triton experts' two-launch decode path (opt-in), its slot limit raised to cover these cases
-BACKENDS = ["torch", pytest.param("triton", marks=_interp), pytest.param("triton-decode", marks=_interp)]
+BACKENDS = ["torch", pytest.param("triton", marks=_interp)]
 M, H, I, E, K = 9, 40, 24, 4, 3  # H, I not multiples of the pinned tiles: masked edges everywhere
 GLOBAL_E = 7
 PIN = MoEConfig.simple(16, 32, 32)
@@ -45,27 +44,8 @@ PADN = 64  # guard elements around each input
 
 @pytest.fixture(autouse=True)
 def _pin():
-    from fusedmoe.api import set_decode_path
-    from fusedmoe.ops import decode
-
-    enabled = decode.ENABLED
     with pinned_config(PIN):
         yield
-    set_decode_path(enabled)  # also drops launch parameters cached while a test had it switched
-
-
-def use_backend(name: str, monkeypatch) -> str:
-    """The backend to pass for a BACKENDS entry (switching the decode path for "triton-decode")."""
-    from fusedmoe.api import set_decode_path
-    from fusedmoe.ops import decode
-
-    if name == "triton-decode":
-        monkeypatch.setattr(decode, "MAX_DECODE_SLOTS", max(decode.MAX_DECODE_SLOTS, M * K))
-        set_decode_path(True)
-        return "triton"
-    if name == "triton":
-        set_decode_path(False)
-    return name
 
 
 # ---- guards --------------------------------------------------------------------------------------------------
@@ -228,7 +208,6 @@ def problem(a: dict, kw: dict):
 def test_caller_workspace_guard_bands(backend, name, split, monkeypatch):
     """Public path: fused_moe with the workspace(s) as exact-size slices of canary buffers, inputs read-guarded."""
     monkeypatch.delenv("FUSEDMOE_CHECKS", raising=False)
-    backend = use_backend(backend, monkeypatch)
     a, kw = case(name)
     plan = get_kernel(backend).plan(problem(a, kw))
     guards = Canaries()
@@ -253,7 +232,6 @@ def test_every_view_and_the_output_are_guarded(backend, name, monkeypatch):
     """Experts called directly: each planned buffer in its own guarded slot (no aliasing, so a stray write into a
     neighbour cannot hide), poisoned inside; the output tensor guarded too."""
     monkeypatch.delenv("FUSEDMOE_CHECKS", raising=False)
-    backend = use_backend(backend, monkeypatch)
     a, kw = case(name)
     p = problem(a, kw)
     kernel = get_kernel(backend)
@@ -273,13 +251,10 @@ def test_every_view_and_the_output_are_guarded(backend, name, monkeypatch):
     check_result(out.clone(), a, kw)
 
 
-@pytest.mark.parametrize(
-    "backend", ["torch", pytest.param("triton", marks=_interp), pytest.param("triton-decode", marks=_interp)]
-)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_int64_ids_beyond_int32_are_non_local(backend, monkeypatch):
     """int64 ids outside int32 (e.g. 2**32 + 1, -2**32 + 2) are out of range: no contribution, like -1."""
     monkeypatch.delenv("FUSEDMOE_CHECKS", raising=False)
-    backend = use_backend(backend, monkeypatch)
     a = base()
     ids = a["topk_ids"].long()
     ids[0, 0], ids[3, 1], ids[5] = 2**32 + 1, -(2**32) + 2, torch.tensor([2**40, 2**32, -(2**63)])
@@ -331,7 +306,6 @@ def test_nan_logits_through_route_and_layer_keep_other_tokens_exact(backend, mon
     from fusedmoe import WorkspaceManager
 
     monkeypatch.delenv("FUSEDMOE_CHECKS", raising=False)
-    backend = use_backend(backend, monkeypatch)
     mgr = WorkspaceManager("cpu", poison=True)
     a, _ = case("nan_logits")
     out = fused_moe(**a, backend=backend, workspace=mgr)

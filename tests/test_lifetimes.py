@@ -30,7 +30,6 @@ from fusedmoe import (
 from fusedmoe.experts.base import Experts, ExpertsInputs
 from fusedmoe.experts.batched_triton_experts import BatchedTritonExperts
 from fusedmoe.experts.triton_experts import TritonExperts
-from fusedmoe.ops import decode
 from fusedmoe.ops.configs import (
     ENV_DIR,
     MoEConfig,
@@ -76,7 +75,7 @@ def _kernels(M: int) -> dict[str, MoEKernel]:
 
 QUANTS = [None, "fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block"]
 ACTIVATIONS = ["silu", "gelu", "swigluoai"]
-# M buckets: empty, the alignment's pair regime (slots <= 64) incl. the decode path, one launch, two launches
+# M buckets: empty, the alignment's pair regime (slots <= 64), one launch, two launches
 MS = [0, 1, 2, 3, 8, 40, 700, 2100]
 PINS = [None, MoEConfig.simple(16, 32, 32), MoEConfig.simple(64, 32, 32)]
 
@@ -107,15 +106,13 @@ def _problem(kernel_name: str, M: int, quant, activation: str, variant: int) -> 
 
 def _grid():
     for M in MS:
-        for (name, kernel), quant, act, pin, dec, variant in itertools.product(
-            _kernels(M).items(), QUANTS, ACTIVATIONS, PINS, (False, True), range(4)
+        for (name, kernel), quant, act, pin, variant in itertools.product(
+            _kernels(M).items(), QUANTS, ACTIVATIONS, PINS, range(4)
         ):
-            if dec and name != "triton":
-                continue
             p = _problem(name, M, quant, act, variant)
             if kernel.unsupported(p) is not None:
                 continue
-            yield name, kernel, p, pin, dec
+            yield name, kernel, p, pin
 
 
 def _overlap(a, b) -> bool:
@@ -133,33 +130,28 @@ def test_plan_invariant_over_the_whole_grid():
     seen_names: set[str] = set()
     optional: set[str] = set()
     n = 0
-    old = decode.ENABLED
-    try:
-        for name, kernel, p, pin, dec in _grid():
-            decode.ENABLED = dec
-            with pinned_config(pin):
-                prog = kernel.program(p)[0]
-            plan = prog.plan
-            n += 1
-            experts = prog.segments[1]
-            for spec in plan.buffers:
-                seen_names.add(spec.name)
-                at = [i for i, s in enumerate(prog.steps) if spec.name in s.needs]
-                assert at, (name, spec.name)
-                if spec.name in prog.exports and len(experts):
-                    at += [experts.start, experts.stop - 1]
-                if spec.zero is not None:
-                    at.append(0)
-                assert (spec.first, spec.last) == (min(at), max(at)), (name, p, spec)
-            for s in prog.steps:
-                optional |= s.optional
-                assert set(s.needs) - s.optional <= {b.name for b in plan.buffers}, (name, s.name)
-            for placements in (plan.placements, *(plan.region(r)[0] for r in ("13", "2"))):
-                for a, b in itertools.combinations(placements.values(), 2):
-                    if a.spec.overlaps_in_time(b.spec):
-                        assert not _overlap(a, b), (name, p, pin, dec, a, b)
-    finally:
-        decode.ENABLED = old
+    for name, kernel, p, pin in _grid():
+        with pinned_config(pin):
+            prog = kernel.program(p)[0]
+        plan = prog.plan
+        n += 1
+        experts = prog.segments[1]
+        for spec in plan.buffers:
+            seen_names.add(spec.name)
+            at = [i for i, s in enumerate(prog.steps) if spec.name in s.needs]
+            assert at, (name, spec.name)
+            if spec.name in prog.exports and len(experts):
+                at += [experts.start, experts.stop - 1]
+            if spec.zero is not None:
+                at.append(0)
+            assert (spec.first, spec.last) == (min(at), max(at)), (name, p, spec)
+        for s in prog.steps:
+            optional |= s.optional
+            assert set(s.needs) - s.optional <= {b.name for b in plan.buffers}, (name, s.name)
+        for placements in (plan.placements, *(plan.region(r)[0] for r in ("13", "2"))):
+            for a, b in itertools.combinations(placements.values(), 2):
+                if a.spec.overlaps_in_time(b.spec):
+                    assert not _overlap(a, b), (name, p, pin, a, b)
     assert n > 1500, n  # the grid really is the grid
     assert optional <= seen_names, sorted(optional - seen_names)
 
@@ -327,8 +319,8 @@ def test_changing_the_pinned_block_m_on_the_same_shape():
     assert sizes[0] == sizes[2] != sizes[1]
 
 
-def test_config_folder_and_decode_switch_are_part_of_the_launch(tmp_path, monkeypatch):
-    """A table in $FUSEDMOE_CONFIG_DIR and the decode switch change the launch, and with it the plan."""
+def test_config_folder_is_part_of_the_launch(tmp_path, monkeypatch):
+    """A table in $FUSEDMOE_CONFIG_DIR changes the launch, and with it the plan."""
     kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
     p = MoEProblem(2, 64, 32, 16, 16, 2, torch.float32, torch.float32)
     default = kernel.program(p)
@@ -343,12 +335,5 @@ def test_config_folder_and_decode_switch_are_part_of_the_launch(tmp_path, monkey
         assert from_dir[0].plan.nbytes > default[0].plan.nbytes
         monkeypatch.delenv(ENV_DIR)
         assert kernel.program(p)[2] == default[2]
-        old = decode.ENABLED
-        decode.ENABLED = True
-        try:
-            dec = kernel.program(p)
-            assert dec[2].decode and [b.name for b in dec[0].plan.buffers] == ["act"]
-        finally:
-            decode.ENABLED = old
     finally:
         clear_cache()

@@ -45,15 +45,6 @@ def get_kernel(backend: str) -> MoEKernel:
     return kernel
 
 
-def set_decode_path(enabled: bool) -> None:
-    """Switch the Triton backend's two-launch decode path (``ops/decode.py``) on or off for this process
-    (default: env ``FUSEDMOE_DECODE_PATH=1``). Launches and plans are keyed by the switch, so nothing needs
-    dropping."""
-    from .ops import decode
-
-    decode.ENABLED = bool(enabled)
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``auto`` picks Triton on CUDA devices and the torch experts elsewhere."""
     if backend not in BACKENDS:

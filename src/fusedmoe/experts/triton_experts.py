@@ -4,10 +4,10 @@ Every scratch byte comes from the plan and nothing is zero-filled: each kernel w
 kernel reads (see ``fusedmoe.ops``). No host sync and no allocation on the hot path, so a call can be captured
 in a CUDA graph.
 
-The launch (:class:`TritonLaunch`: tile configs fitted to the element size, alignment sizes, grid bound, code
-path) is a value derived from the problem and the configuration in effect (pinned config, config folder,
-decode switch, float32 matmul precision); plans are keyed by it, so a change of configuration can never
-reuse scratch sized for another one.
+The launch (:class:`TritonLaunch`: tile configs fitted to the element size, alignment sizes, grid bound,
+quantization settings, IEEE float32 dots) is a value derived from the problem and the configuration in effect
+(pinned config, config folder, float32 matmul precision); plans are keyed by it, so a change of configuration
+can never reuse scratch sized for another one.
 
 Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; fp8 adds one quantization launch per GEMM
 input (two for a dynamic per-tensor scale: partial maxima, then quantize). GEMM2 writes its weighted rows in
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..ops import configs, decode
+from ..ops import configs
 from ..ops.align import AlignParams, align_params, moe_align
 from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
@@ -70,7 +70,6 @@ class TritonLaunch:
     quant_mode: str | None
     static_scale: bool
     block_shape: tuple[int, int]
-    decode: bool
     ieee: bool  # float32 operands: IEEE fp32 dots instead of TF32
 
     __hash__ = hash_once  # a per-call cache key (the program's)
@@ -97,7 +96,7 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     return fit_smem(cfg, operand_bytes(p), limit)
 
 
-def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False, use_decode: bool = False) -> TritonLaunch:
+def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False) -> TritonLaunch:
     """The launch of ``p`` with the GEMM tiles of ``config`` (already fitted: :func:`fitted_config`)."""
     q = p.quant
     ap = align_params(p.slots, p.E, config.block_m)
@@ -108,8 +107,6 @@ def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False, use_dec
         quant_mode=q.mode if q is not None else None,
         static_scale=bool(q is not None and q.static_activation_scale),
         block_shape=tuple(q.block_shape) if q is not None else (128, 128),
-        decode=use_decode
-        and decode.decode_supported(p.slots, q.mode if q is not None else None, p.activation, p.has_bias),
         ieee=ieee and p.dtype == torch.float32,
     )
 
@@ -133,24 +130,6 @@ def _ids(c) -> torch.Tensor:
 
 
 # ---- steps (their parameters name the buffers they touch; see fusedmoe.steps) ---------------------------------
-@step
-def _decode(c, act):
-    x, p = c.x, c.p
-    decode.moe_decode(
-        x.hidden_states,
-        x.w1,
-        x.w2,
-        x.topk_weights.contiguous(),
-        _ids(c),
-        c.out,
-        act,
-        expert_map=x.expert_map,
-        global_num_experts=p.global_E,
-        activation=p.activation,
-        apply_router_weight_on_input=p.apply_router_weight_on_input,
-    )
-
-
 @step
 def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
     moe_align(
@@ -332,14 +311,14 @@ class TritonExperts(Experts):
     def launch(self, p: MoEProblem) -> TritonLaunch:
         """The launch of ``p`` under the configuration in effect now (cached under a key holding all of it)."""
         ieee = self._ieee(p)
-        key = (p, configs.source_key(), decode.ENABLED, ieee)
+        key = (p, configs.source_key(), ieee)
         hit = self._launches.get(key)
         if hit is not None:
             return hit
         # Configs are keyed by tokens for a layer holding all its experts. Under expert parallelism only
         # E/global_E of the slots land here, so look up the token count with the same rows per local expert.
         m_lookup = max(1, round(p.M * p.E / p.global_E)) if p.global_E > p.E else p.M
-        launch = make_launch(p, fitted_config(p, m_lookup), ieee=ieee, use_decode=decode.ENABLED)
+        launch = make_launch(p, fitted_config(p, m_lookup), ieee=ieee)
         if len(self._launches) > 4096:
             self._launches.clear()
         self._launches[key] = launch
@@ -356,8 +335,6 @@ class TritonExperts(Experts):
         L = launch
         S, M, H, I = p.slots, p.M, p.H, p.I
         i32, f32, dt = torch.int32, torch.float32, p.dtype
-        if L.decode:  # no alignment, no [M*k, H] buffer: GEMM2 reduces over top-k in registers
-            return [BufferSpec("act", (S, I), dt, region="2")]
         ap = L.align
         specs = [
             BufferSpec("sorted_ids", (ap.max_padded,), i32),
@@ -383,8 +360,6 @@ class TritonExperts(Experts):
     def steps(self, p: MoEProblem, launch: TritonLaunch):
         if p.M == 0:
             return []
-        if launch.decode:
-            return [_decode]
         if launch.quant_mode is None:
             return [_align, _gemm1, _gemm2, _reduce]
         return [_align, _quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8, _reduce]
