@@ -7,6 +7,7 @@ import torch
 
 from fusedmoe.ops.align import align_params, local_expert_reference, moe_align
 from fusedmoe.ops.configs import GemmConfig
+from fusedmoe.ops.expert_gemm import Numerics
 from fusedmoe.ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from fusedmoe.quant import FP8_DTYPE, QuantConfig, dequantize_weight, quantize_weights
 from fusedmoe.reference import activation_reference
@@ -87,7 +88,7 @@ def test_gemm2_fp8(mode):
     }[mode]
     w2s_k = w2s.reshape(E, -1) if mode == "fp8_token" else w2s
     out = torch.empty(M * k, H)
-    moe_gemm2(a, w2q, out, s, b, num_blocks=nb, config=CFG, quant_mode=mode, a_scale=a_s, w_scale=w2s_k)
+    moe_gemm2(a, w2q, out, s, b, num_blocks=nb, config=CFG, numerics=Numerics(mode, a_s, w2s_k))
     wd = dequantize_weight(w2q, w2s, QuantConfig(mode)).double()
     ad = a.double() * a_s.double()
     for slot in range(M * k):

@@ -19,16 +19,17 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import configs
-from ..ops.batched_gemm import _ACTIVATIONS, batched_gemm1, batched_gemm2
+from ..ops.batched_gemm import batched_gemm1, batched_gemm2
 from ..ops.batched_quantize import batched_num_partials, batched_quantize
 from ..ops.configs import MoEConfig
+from ..ops.expert_gemm import ACTIVATION_CODES
 from ..ops.quantize import scale_shape
 from ..problem import Layout, MoEProblem, hash_once, state_without_hash
 from ..quant import FP8_DTYPE
 from ..steps import step
 from ..workspace.plan import BufferSpec
 from .base import Experts
-from .triton_experts import TritonExperts, _w_scale, fitted_config
+from .triton_experts import TritonExperts, fitted_config, gemm1_input, gemm_numerics, input_quantized, quant_outputs
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,7 @@ def _counts(c) -> torch.Tensor:
 @step
 def _quantize_input(c, bx_a1q, bx_a1_scale=None, bx_a1_partial=None):
     x, p, L = c.x, c.p, c.launch
-    if L.static_scale and (x.a1_scale is None or x.a2_scale is None):
-        raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
-    if x.hidden_states.dtype == FP8_DTYPE:  # quantized by prepare
+    if input_quantized(c):
         return
     E, T = p.E, p.max_tokens_per_expert
     batched_quantize(
@@ -65,29 +64,15 @@ def _quantize_input(c, bx_a1q, bx_a1_scale=None, bx_a1_partial=None):
         _counts(c),
         T,
         L.quant_mode,
-        out=bx_a1q,
-        scale_out=bx_a1_scale,
-        static_scale=x.a1_scale if L.static_scale else None,
-        partial=bx_a1_partial,
-        group_k=L.block_shape[1],
+        **quant_outputs(L, bx_a1q, bx_a1_scale, bx_a1_partial, x.a1_scale),
     )
 
 
 def _gemm1_call(c, a, a_scale, bx_act) -> None:
     x, p, L = c.x, c.p, c.launch
-    batched_gemm1(
-        a,
-        x.w1,
-        bx_act.view(p.E, p.max_tokens_per_expert, p.I),
-        _counts(c),
-        config=L.config.gemm1,
-        activation=p.activation,
-        quant_mode=L.quant_mode,
-        a_scale=a_scale,
-        w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E),
-        block_shape=L.block_shape,
-        fp32_ieee=L.ieee,
-    )
+    act = bx_act.view(p.E, p.max_tokens_per_expert, p.I)
+    numerics = gemm_numerics(L, a_scale, x.w1_scale, p.E)
+    batched_gemm1(a, x.w1, act, _counts(c), config=L.config.gemm1, activation=p.activation, numerics=numerics)
 
 
 @step
@@ -97,46 +82,22 @@ def _gemm1(c, bx_act):
 
 @step
 def _gemm1_fp8(c, bx_a1q, bx_act, bx_a1_scale=None):
-    x, p, L = c.x, c.p, c.launch
-    if x.hidden_states.dtype == FP8_DTYPE:
-        if x.a1_scale is None:
-            raise ValueError("fp8 hidden_states need a1_scale")
-        a, a_scale = x.hidden_states, x.a1_scale
-    else:
-        a = bx_a1q.view(p.E, p.max_tokens_per_expert, p.H)
-        a_scale = x.a1_scale if L.static_scale else bx_a1_scale
-    _gemm1_call(c, a, a_scale, bx_act)
+    p = c.p
+    _gemm1_call(c, *gemm1_input(c, bx_a1q.view(p.E, p.max_tokens_per_expert, p.H), bx_a1_scale), bx_act)
 
 
 @step
 def _quantize_act(c, bx_act, bx_a2q, bx_a2_scale=None, bx_a2_partial=None):
     x, p, L = c.x, c.p, c.launch
-    batched_quantize(
-        bx_act,
-        _counts(c),
-        p.max_tokens_per_expert,
-        L.quant_mode,
-        out=bx_a2q,
-        scale_out=bx_a2_scale,
-        static_scale=x.a2_scale if L.static_scale else None,
-        partial=bx_a2_partial,
-        group_k=L.block_shape[1],
-    )
+    outputs = quant_outputs(L, bx_a2q, bx_a2_scale, bx_a2_partial, x.a2_scale)
+    batched_quantize(bx_act, _counts(c), p.max_tokens_per_expert, L.quant_mode, **outputs)
 
 
 def _gemm2_call(c, a, a_scale) -> None:
     x, p, L = c.x, c.p, c.launch
+    act = a.view(p.E, p.max_tokens_per_expert, p.I)
     batched_gemm2(
-        a.view(p.E, p.max_tokens_per_expert, p.I),
-        x.w2,
-        c.out,
-        _counts(c),
-        config=L.config.gemm2,
-        quant_mode=L.quant_mode,
-        a_scale=a_scale,
-        w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
-        block_shape=L.block_shape,
-        fp32_ieee=L.ieee,
+        act, x.w2, c.out, _counts(c), config=L.config.gemm2, numerics=gemm_numerics(L, a_scale, x.w2_scale, p.E)
     )
 
 
@@ -168,7 +129,7 @@ class BatchedTritonExperts(Experts):
     def supports(self, p: MoEProblem) -> str | None:
         if p.has_bias:
             return "the batched Triton experts do not implement expert biases"
-        if p.activation not in _ACTIVATIONS:
+        if p.activation not in ACTIVATION_CODES:
             return f"activation {p.activation!r} is not supported by the batched Triton experts"
         return self._standard.supports(p)
 

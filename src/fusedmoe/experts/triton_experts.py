@@ -25,6 +25,7 @@ import torch
 from ..ops import configs
 from ..ops.align import AlignParams, align_params, moe_align
 from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
+from ..ops.expert_gemm import Numerics
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
@@ -124,6 +125,42 @@ def _w_scale(s: torch.Tensor | None, mode: str | None, E: int) -> torch.Tensor |
     return s
 
 
+def gemm_numerics(L, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, E: int) -> Numerics:
+    """A GEMM's numerics under launch ``L`` (a :class:`TritonLaunch` or batched launch): its quantization with
+    activation scales ``a_scale`` and the caller's weight scales ``w_scale`` (viewed as the kernels index them),
+    and its fp32 dot precision."""
+    return Numerics(L.quant_mode, a_scale, _w_scale(w_scale, L.quant_mode, E), L.block_shape, L.ieee)
+
+
+def quant_outputs(L, out, scale_out, partial, static_scale) -> dict:
+    """The output keywords of an activation quantization under launch ``L``: ``out`` for q, ``scale_out`` and
+    ``partial`` for dynamic scales, the caller's ``static_scale`` when the launch's scales are static."""
+    static = static_scale if L.static_scale else None
+    return {"out": out, "scale_out": scale_out, "static_scale": static, "partial": partial, "group_k": L.block_shape[1]}
+
+
+def input_quantized(c) -> bool:
+    """Whether the fp8 experts' input arrived quantized (by prepare, with ``a1_scale``): then it is not quantized
+    again. Static scales need both activation scales."""
+    x = c.x
+    if c.launch.static_scale and (x.a1_scale is None or x.a2_scale is None):
+        raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
+    if x.hidden_states.dtype != FP8_DTYPE:
+        return False
+    if x.a1_scale is None:
+        raise ValueError("fp8 hidden_states need a1_scale")
+    return True
+
+
+def gemm1_input(c, a1q: torch.Tensor, a1_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, a_scale) of an fp8 GEMM1: the input quantized by prepare with its scales, else the quantized copy
+    ``a1q`` with its scales (the caller's static scale, or ``a1_scale``)."""
+    x = c.x
+    if input_quantized(c):
+        return x.hidden_states, x.a1_scale
+    return a1q, (x.a1_scale if c.launch.static_scale else a1_scale)
+
+
 def _ids(c) -> torch.Tensor:
     ids = c.x.topk_ids
     return ids if ids.is_contiguous() else ids.contiguous()
@@ -148,40 +185,23 @@ def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
 @step
 def _quantize_input(c, a1q, a1_scale=None, a1_partial=None):
     x, L = c.x, c.launch
-    if L.static_scale and (x.a1_scale is None or x.a2_scale is None):
-        raise ValueError("fp8_tensor with static activation scales needs a1_scale and a2_scale")
-    if x.hidden_states.dtype == FP8_DTYPE:  # already quantized by prepare
-        return
-    quantize_activation(
-        x.hidden_states,
-        L.quant_mode,
-        out=a1q,
-        scale_out=a1_scale,
-        static_scale=x.a1_scale if L.static_scale else None,
-        partial=a1_partial,
-        group_k=L.group_k,
-    )
+    if not input_quantized(c):
+        quantize_activation(x.hidden_states, L.quant_mode, **quant_outputs(L, a1q, a1_scale, a1_partial, x.a1_scale))
+
+
+def _gemm_options(c, config, a_scale, w_scale, bias) -> dict:
+    """The keywords both grouped GEMMs take from the call: the grid bound, the GEMM's tile ``config``, its
+    numerics (activation scales ``a_scale``, the caller's weight scales ``w_scale``) and its ``bias``."""
+    numerics = gemm_numerics(c.launch, a_scale, w_scale, c.p.E)
+    return {"num_blocks": c.launch.num_blocks, "config": config, "numerics": numerics, "bias": bias}
 
 
 def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale) -> None:
-    x, p, L = c.x, c.p, c.launch
+    x, p = c.x, c.p
+    weights = x.topk_weights if p.apply_router_weight_on_input else None
+    opts = _gemm_options(c, c.launch.config.gemm1, a_scale, x.w1_scale, x.w1_bias)
     moe_gemm1(
-        a,
-        x.w1,
-        act,
-        sorted_ids,
-        block_expert,
-        top_k=p.top_k,
-        num_blocks=L.num_blocks,
-        config=L.config.gemm1,
-        activation=p.activation,
-        topk_weights=x.topk_weights if p.apply_router_weight_on_input else None,
-        quant_mode=L.quant_mode,
-        a_scale=a_scale,
-        w_scale=_w_scale(x.w1_scale, L.quant_mode, p.E),
-        block_shape=L.block_shape,
-        fp32_ieee=L.ieee,
-        bias=x.w1_bias,
+        a, x.w1, act, sorted_ids, block_expert, top_k=p.top_k, activation=p.activation, topk_weights=weights, **opts
     )
 
 
@@ -192,14 +212,7 @@ def _gemm1(c, sorted_ids, block_expert, act):
 
 @step
 def _gemm1_fp8(c, sorted_ids, block_expert, act, a1q, a1_scale=None):
-    x, L = c.x, c.launch
-    if x.hidden_states.dtype == FP8_DTYPE:  # quantized by prepare, with its scales
-        if x.a1_scale is None:
-            raise ValueError("fp8 hidden_states need a1_scale")
-        a, a_scale = x.hidden_states, x.a1_scale
-    else:
-        a, a_scale = a1q, (x.a1_scale if L.static_scale else a1_scale)
-    _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale)
+    _gemm1_call(c, sorted_ids, block_expert, act, *gemm1_input(c, a1q, a1_scale))
 
 
 @step
@@ -208,36 +221,19 @@ def _quantize_act(c, act, a2q, a2_scale=None, a2_partial=None):
     quantize_activation(
         act,
         L.quant_mode,
-        out=a2q,
-        scale_out=a2_scale,
-        static_scale=x.a2_scale if L.static_scale else None,
-        partial=a2_partial,
         topk_ids=_ids(c),
         expert_map=x.expert_map,
         num_experts=p.E,
         global_num_experts=p.global_E,
-        group_k=L.group_k,
+        **quant_outputs(L, a2q, a2_scale, a2_partial, x.a2_scale),
     )
 
 
 def _gemm2_call(c, sorted_ids, block_expert, y, a, a_scale) -> None:
-    x, p, L = c.x, c.p, c.launch
-    moe_gemm2(
-        a,
-        x.w2,
-        y,
-        sorted_ids,
-        block_expert,
-        num_blocks=L.num_blocks,
-        config=L.config.gemm2,
-        topk_weights=None if p.apply_router_weight_on_input else x.topk_weights,
-        quant_mode=L.quant_mode,
-        a_scale=a_scale,
-        w_scale=_w_scale(x.w2_scale, L.quant_mode, p.E),
-        block_shape=L.block_shape,
-        fp32_ieee=L.ieee,
-        bias=x.w2_bias,
-    )
+    x = c.x
+    weights = None if c.p.apply_router_weight_on_input else x.topk_weights
+    opts = _gemm_options(c, c.launch.config.gemm2, a_scale, x.w2_scale, x.w2_bias)
+    moe_gemm2(a, x.w2, y, sorted_ids, block_expert, topk_weights=weights, **opts)
 
 
 @step

@@ -88,6 +88,20 @@ def _local_expert(ids, map_ptr, global_E, E, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
+def _load_local_expert(ids_ptr, offs, mask, map_ptr, global_E, E, HAS_MAP: tl.constexpr):
+    """Local expert of the ids at ``ids_ptr + offs`` where ``mask`` (-1 elsewhere: masked-off ids are not read)."""
+    return _local_expert(tl.load(ids_ptr + offs, mask=mask, other=-1), map_ptr, global_E, E, HAS_MAP)
+
+
+@triton.jit
+def _program_span(span, n):
+    """(pid, start, stop): the items [start, stop) = [pid * span, min(pid * span + span, n)) of this program."""
+    pid = tl.program_id(0)
+    start = pid * span
+    return pid, start, tl.minimum(start + span, n)
+
+
+@triton.jit
 def _tail_blocks(block_expert_ptr, num_padded, lo, hi, BLOCK_M: tl.constexpr, BB: tl.constexpr):
     """block_expert[b] = -1 for b in [lo, hi) at/after num_padded (entries below are written by their slots)."""
     first_free = num_padded // BLOCK_M
@@ -115,7 +129,7 @@ def _align_pairs(
 ):
     i = tl.arange(0, S)
     m = i < n_slots
-    e = _local_expert(tl.load(ids_ptr + i, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
+    e = _load_local_expert(ids_ptr, i, m, map_ptr, global_E, E, HAS_MAP)
     ok = m & (e >= 0)
     e = tl.where(ok, e, -1)
     # per slot i: count of its expert (low 16 bits) and rank among earlier slots of that expert (high 16 bits)
@@ -144,7 +158,7 @@ def _sub_rank(ids_ptr, map_ptr, s0, stop, global_E, E, HAS_MAP: tl.constexpr, SU
     sub = tl.arange(0, SUB)
     offs = s0 + sub
     m = offs < stop
-    e = _local_expert(tl.load(ids_ptr + offs, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
+    e = _load_local_expert(ids_ptr, offs, m, map_ptr, global_E, E, HAS_MAP)
     ok = m & (e >= 0)
     e0 = tl.where(ok, e, 0)
     same = (e0[:, None] == e0[None, :]) & ok[None, :] & (sub[None, :] < sub[:, None])
@@ -168,14 +182,12 @@ def _align_count(
 ):
     if PDL:
         gdc_launch_dependents()
-    pid = tl.program_id(0)
-    start = pid * span
-    stop = tl.minimum(start + span, n_slots)
+    pid, start, stop = _program_span(span, n_slots)
     hist = tl.zeros([E_PAD], dtype=tl.int32)
     for s0 in range(start, stop, SUB):
         offs = s0 + tl.arange(0, SUB)
         m = offs < stop
-        e = _local_expert(tl.load(ids_ptr + offs, mask=m, other=-1), map_ptr, global_E, E, HAS_MAP)
+        e = _load_local_expert(ids_ptr, offs, m, map_ptr, global_E, E, HAS_MAP)
         hist += tl.histogram(tl.where(e >= 0, e, 0), E_PAD, mask=m & (e >= 0)).to(tl.int32)
     tl.store(partial_ptr + pid * E_PAD + tl.arange(0, E_PAD), hist)
 
@@ -206,9 +218,7 @@ def _align_scatter(
     BB: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    start = pid * span
-    stop = tl.minimum(start + span, n_slots)
+    pid, start, stop = _program_span(span, n_slots)
     e_idx = tl.arange(0, E_PAD)
     # first sub-chunk first: its loads and rank do not depend on the histograms
     offs, e0, ok, rank = _sub_rank(ids_ptr, map_ptr, start, stop, global_E, E, HAS_MAP, SUB)
@@ -217,7 +227,7 @@ def _align_scatter(
     if SINGLE:
         a = tl.arange(0, N_ALL)
         am = a < n_slots
-        ea = _local_expert(tl.load(ids_ptr + a, mask=am, other=-1), map_ptr, global_E, E, HAS_MAP)
+        ea = _load_local_expert(ids_ptr, a, am, map_ptr, global_E, E, HAS_MAP)
         oka = am & (ea >= 0)
         ea = tl.where(oka, ea, 0)
         total = tl.histogram(ea, E_PAD, mask=oka).to(tl.int32)

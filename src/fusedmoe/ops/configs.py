@@ -32,6 +32,9 @@ from pathlib import Path
 
 import torch
 
+#: fp8_block scale groups (rows of N, columns of K), as in :class:`fusedmoe.quant.QuantConfig`.
+BlockShape = tuple[int, int]
+
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "configs"
 ENV_DIR = "FUSEDMOE_CONFIG_DIR"
 
@@ -106,7 +109,7 @@ def device_name(device: torch.device | str | None = None) -> str:
     return "cpu"
 
 
-def quant_suffix(quant_mode: str | None, block_shape: tuple[int, int] | None = None) -> str:
+def quant_suffix(quant_mode: str | None, block_shape: BlockShape | None = None) -> str:
     """vLLM's suffixes (``dtype=fp8_w8a8`` is per-tensor, as vLLM tunes it) plus ``,per_token`` for per-token
     activation x per-channel weight scales, which vLLM's file names do not tell apart."""
     if quant_mode is None:
@@ -121,7 +124,7 @@ def quant_suffix(quant_mode: str | None, block_shape: tuple[int, int] | None = N
 
 
 def config_file_name(
-    E: int, I: int, device: str, quant_mode: str | None = None, block_shape: tuple[int, int] | None = None
+    E: int, I: int, device: str, quant_mode: str | None = None, block_shape: BlockShape | None = None
 ) -> str:
     return f"E={E},N={I},device_name={device}{quant_suffix(quant_mode, block_shape)}.json"
 
@@ -155,7 +158,7 @@ def load_table(
     I: int,
     device: str,
     quant_mode: str | None = None,
-    block_shape: tuple[int, int] | None = None,
+    block_shape: BlockShape | None = None,
     config_dir: str | None = None,
 ) -> dict[int, MoEConfig] | None:
     """The tuned table for this shape: first match in ``config_dir`` (default $FUSEDMOE_CONFIG_DIR), then the
@@ -183,15 +186,10 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 
 def heuristic_config(
-    M: int,
-    E: int,
-    H: int,
-    I: int,
-    top_k: int,
-    quant_mode: str | None = None,
-    block_shape: tuple[int, int] | None = None,
+    M: int, E: int, H: int, I: int, top_k: int, quant_mode: str | None = None, block_shape: BlockShape | None = None
 ) -> MoEConfig:
-    """A Hopper-minded default by average rows per expert (patterned on tuned H200 tables)."""
+    """A Hopper-minded default by average rows per expert (patterned on tuned H200 tables); ``block_shape`` does
+    not change it (it is taken for the same call shape as :func:`get_config`)."""
     rows = M * top_k / max(E, 1)
     fp8 = quant_mode is not None
     bk_small = 256 if fp8 else 128
@@ -216,7 +214,7 @@ def heuristic_config(
     return MoEConfig(g1, g2)
 
 
-def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: tuple[int, int] | None) -> MoEConfig:
+def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: BlockShape | None) -> MoEConfig:
     """Adjust a config to what the kernels require: for fp8_block, BLOCK_K divides the scale group."""
     if quant_mode != "fp8_block":
         return cfg
@@ -295,7 +293,7 @@ def get_config(
     top_k: int,
     *,
     quant_mode: str | None = None,
-    block_shape: tuple[int, int] | None = None,
+    block_shape: BlockShape | None = None,
     device: str | None = None,
 ) -> MoEConfig:
     """The config for a problem: pinned, else the nearest-M entry of a tuned file, else the heuristic."""

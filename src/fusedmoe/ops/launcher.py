@@ -183,7 +183,8 @@ class Trace:
     launches: int
 
     def parts(self) -> list[tuple[str, Trace]]:
-        """(kernel name, a trace of that launch alone) per launch, in order (for per-launch timing)."""
+        """(kernel name, a trace of that launch alone) per launch, in order (for per-launch timing). The name is
+        the compiled kernel's where there is one (what profilers show), else the Python function's."""
         raise NotImplementedError
 
     def ready(self) -> bool:
@@ -235,7 +236,8 @@ class _CompiledTrace(Trace):
         self.launches = len(self._items)
 
     def parts(self) -> list[tuple[str, Trace]]:
-        return [(r[0].fn.__name__, _CompiledTrace([r])) for r in self._recorded]
+        # the compiled kernel's name, which profilers show (a kernel may name its specializations: _moe_gemm)
+        return [(r[1].name, _CompiledTrace([r])) for r in self._recorded]
 
     def ready(self) -> bool:
         return not _hooked()

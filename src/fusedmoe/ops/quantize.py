@@ -8,6 +8,10 @@ output rows of non-local slots were never written); gated-out rows of ``q`` and 
 Dynamic per-tensor scales need a max over all programs without a zeroed accumulator: launch 1 writes one partial
 maximum per program into a planned ``partial`` buffer (every entry written); launch 2 reduces those partials in
 every program, program 0 stores the scale, and all quantize their rows.
+
+The parts are shared with :mod:`fusedmoe.ops.batched_quantize`: ``_absmax_rows`` (the maximum over a range of
+rows), ``_tensor_scale`` (the per-tensor scale of launch 2) and ``_quantize_row`` (the fp8 row quantizer); launch
+2 is one kernel for both layouts, ``_quant_rows``, which differ only in which rows are valid (``BATCHED``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import triton.language as tl
 
 from ..quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from ._util import cdiv, next_pow2
-from .align import _local_expert
+from .align import _load_local_expert, _local_expert, _program_span
 from .launcher import launch
 
 _MODES = {"fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
@@ -64,6 +68,96 @@ def _row_is_valid(row, ids_ptr, map_ptr, global_E, E, HAS_IDS: tl.constexpr, HAS
 
 
 @triton.jit
+def _absmax_rows(
+    x_ptr,
+    start,
+    stop,
+    K,
+    stride_xm,
+    gate,
+    HAS_IDS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """max |x[r, k]| (fp32) over rows ``start <= r < stop`` and ``k < K`` of x (row r at ``x_ptr + r *
+    stride_xm``), 0 when there are none. HAS_IDS: only rows whose slot is local, ``gate = (ids_ptr, map_ptr,
+    global_E, E)`` as for :func:`fusedmoe.ops.align._local_expert` (unread, may be None, otherwise)."""
+    if HAS_IDS:
+        ids_ptr, map_ptr, global_E, E = gate
+    amax = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for r0 in range(start, stop, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = rows < stop
+        if HAS_IDS:
+            ok = ok & (_load_local_expert(ids_ptr, rows, ok, map_ptr, global_E, E, HAS_MAP) >= 0)
+        base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(base + cols[None, :], mask=ok[:, None] & (cols < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    return tl.max(tl.max(amax, axis=1), axis=0)
+
+
+@triton.jit
+def _tensor_scale(
+    scale_ptr, partial_ptr, n_partial, row, MODE: tl.constexpr, DYNAMIC: tl.constexpr, P_PAD: tl.constexpr
+):
+    """fp8_tensor (MODE 1): the per-tensor scale, either the reduction of the ``n_partial`` partial maxima
+    (DYNAMIC; program ``row`` 0 stores it to ``scale_ptr``) or the caller's, read from ``scale_ptr``. Other modes:
+    1.0 (their scales are per row or per group: :func:`_quantize_row`)."""
+    s = 1.0
+    if MODE == 1:
+        if DYNAMIC:
+            offs_p = tl.arange(0, P_PAD)
+            s = _fp8_scale(tl.max(tl.load(partial_ptr + offs_p, mask=offs_p < n_partial, other=0.0), axis=0))
+            if row == 0:
+                tl.store(scale_ptr, s)
+        else:
+            s = tl.load(scale_ptr)
+    return s
+
+
+@triton.jit
+def _quantize_row(
+    x_row,
+    q_row,
+    scale_ptr,
+    row,
+    stride_sm,
+    stride_sk,
+    s,
+    K,
+    MODE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND_IN_FP32: tl.constexpr,
+):
+    """Quantize one row: ``q_row[k] = e4m3(x_row[k] / scale)`` for ``k < K``.
+
+    The scale: MODE 1, ``s`` (per tensor); MODE 2, the row's own (from its max |x|), stored to
+    ``scale_ptr[row * stride_sm]``; MODE 3, one per BLOCK_K-column group g (BLOCK_K is the group size), stored to
+    ``scale_ptr[row * stride_sm + g * stride_sk]``.
+    """
+    q_dtype = q_row.dtype.element_ty
+    if MODE == 2:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)))
+        s = _fp8_scale(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row * stride_sm, s)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if MODE == 3:
+            s_group = _fp8_scale(tl.max(tl.abs(x), axis=0))
+            tl.store(scale_ptr + row * stride_sm + (k0 // BLOCK_K) * stride_sk, s_group)
+            tl.store(q_row + cols, _to_fp8(x, s_group, q_dtype, ROUND_IN_FP32), mask=cols < K)
+        else:
+            tl.store(q_row + cols, _to_fp8(x, s, q_dtype, ROUND_IN_FP32), mask=cols < K)
+
+
+@triton.jit
 def _absmax_partial(
     x_ptr,
     ids_ptr,
@@ -80,33 +174,29 @@ def _absmax_partial(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    start = pid * rows_per_prog
-    stop = tl.minimum(start + rows_per_prog, R)
-    amax = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for r0 in range(start, stop, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        ok = rows < stop
-        if HAS_IDS:
-            loc = _local_expert(tl.load(ids_ptr + rows, mask=ok, other=-1), map_ptr, global_E, E, HAS_MAP)
-            ok = ok & (loc >= 0)
-        base = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(base + cols[None, :], mask=ok[:, None] & (cols < K)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    tl.store(partial_ptr + pid, tl.max(tl.max(amax, axis=1), axis=0))
+    pid, start, stop = _program_span(rows_per_prog, R)
+    gate = (ids_ptr, map_ptr, global_E, E)
+    tl.store(
+        partial_ptr + pid, _absmax_rows(x_ptr, start, stop, K, stride_xm, gate, HAS_IDS, HAS_MAP, BLOCK_R, BLOCK_K)
+    )
 
 
-@triton.jit
+def _rows_name(spec) -> str:
+    """Compiled name of ``_quant_rows``: ``_batched_quant_rows`` for the batched layout (what profilers show)."""
+    return "_batched_quant_rows" if spec.constants.get("BATCHED") else "_quant_rows"
+
+
+@triton.jit(repr=_rows_name)
 def _quant_rows(
     x_ptr,
     q_ptr,
     scale_ptr,
     ids_ptr,
     map_ptr,
+    count_ptr,
     partial_ptr,
     n_partial,
+    T,
     K,
     global_E,
     E,
@@ -121,35 +211,24 @@ def _quant_rows(
     BLOCK_K: tl.constexpr,
     P_PAD: tl.constexpr,
     ROUND_IN_FP32: tl.constexpr,
+    BATCHED: tl.constexpr = False,
 ):
+    """One program per row: the per-tensor scale (fp8_tensor), then, if the row is valid, its quantization.
+
+    Valid rows: BATCHED, row ``e*T + r`` with ``r < count[e]`` (``ids_ptr``, ``map_ptr``, ``global_E`` and ``E``
+    unread, may be None); else every row, or with HAS_IDS the rows whose slot is local (``count_ptr`` and ``T``
+    unread, may be None).
+    """
     row = tl.program_id(0).to(tl.int64)
-    q_dtype = q_ptr.dtype.element_ty
-    if MODE == 1:
-        if DYNAMIC:
-            offs_p = tl.arange(0, P_PAD)
-            s = _fp8_scale(tl.max(tl.load(partial_ptr + offs_p, mask=offs_p < n_partial, other=0.0), axis=0))
-            if row == 0:
-                tl.store(scale_ptr, s)
-        else:
-            s = tl.load(scale_ptr)
-    if not _row_is_valid(row, ids_ptr, map_ptr, global_E, E, HAS_IDS, HAS_MAP):
+    s = _tensor_scale(scale_ptr, partial_ptr, n_partial, row, MODE, DYNAMIC, P_PAD)
+    if BATCHED:
+        e = row // T
+        if row - e * T >= tl.load(count_ptr + e):
+            return
+    elif not _row_is_valid(row, ids_ptr, map_ptr, global_E, E, HAS_IDS, HAS_MAP):
         return
-    x_row = x_ptr + row * stride_xm
-    q_row = q_ptr + row * stride_qm
-    if MODE == 2:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)))
-        s = _fp8_scale(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row * stride_sm, s)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if MODE == 3:  # BLOCK_K == group size: one scale per (row, group)
-            s = _fp8_scale(tl.max(tl.abs(x), axis=0))
-            tl.store(scale_ptr + row * stride_sm + (k0 // BLOCK_K) * stride_sk, s)
-        tl.store(q_row + cols, _to_fp8(x, s, q_dtype, ROUND_IN_FP32), mask=cols < K)
+    x_row, q_row = x_ptr + row * stride_xm, q_ptr + row * stride_qm
+    _quantize_row(x_row, q_row, scale_ptr, row, stride_sm, stride_sk, s, K, MODE, BLOCK_K, ROUND_IN_FP32)
 
 
 def num_partials(rows: int) -> int:
@@ -164,6 +243,44 @@ def scale_shape(quant_mode: str, rows: int, K: int, group_k: int = 128) -> tuple
     if quant_mode == "fp8_token":
         return (rows, 1)
     return (rows, cdiv(K, group_k))
+
+
+def _mode(quant_mode: str, static_scale: torch.Tensor | None) -> tuple[int, bool]:
+    """(MODE code, dynamic per-tensor scale?) of a quantization; ValueError for an unknown mode or a static scale
+    outside fp8_tensor."""
+    if quant_mode not in _MODES:
+        raise ValueError(f"unknown quant mode {quant_mode!r}")
+    if static_scale is not None and quant_mode != "fp8_tensor":
+        raise ValueError("a static activation scale is only defined for fp8_tensor")
+    return _MODES[quant_mode], quant_mode == "fp8_tensor" and static_scale is None
+
+
+def _row_block_k(mode: int, K: int, group_k: int) -> int:
+    """Columns per step of the row quantizer: the scale group (fp8_block), else K's power of two in [16, 1024]."""
+    return group_k if mode == 3 else max(16, min(1024, next_pow2(K)))
+
+
+def _absmax_meta(block_k: int) -> dict:
+    """Launch keywords of the partial-maximum kernels: 4 rows by up to 256 columns per step, 4 warps."""
+    return {"BLOCK_R": 4, "BLOCK_K": min(block_k, 256), "num_warps": 4}
+
+
+def _row_strides(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> tuple[int, int, int, int]:
+    """(stride_xm, stride_qm, stride_sm, stride_sk) of the row-quantizer kernels (a [1] scale: 0, 0)."""
+    sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
+    return x.stride(0), out.stride(0), sm, sk
+
+
+def _row_meta(mode: int, dynamic: bool, block_k: int, n_partial: int, x: torch.Tensor) -> dict:
+    """Launch keywords of the row-quantizer kernels."""
+    return {
+        "MODE": mode,
+        "DYNAMIC": dynamic,
+        "BLOCK_K": block_k,
+        "P_PAD": next_pow2(n_partial),
+        "ROUND_IN_FP32": x.device.type == "cpu",
+        "num_warps": 4,
+    }
 
 
 def quantize_activation(
@@ -193,15 +310,10 @@ def quantize_activation(
     Returns:
         (q, scale): ``scale`` is ``static_scale`` when given, else ``scale_out``.
     """
-    if quant_mode not in _MODES:
-        raise ValueError(f"unknown quant mode {quant_mode!r}")
+    mode, dynamic = _mode(quant_mode, static_scale)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("x must be 2-D and contiguous along its last dim")
     R, K = x.shape
-    mode = _MODES[quant_mode]
-    dynamic = quant_mode == "fp8_tensor" and static_scale is None
-    if static_scale is not None and quant_mode != "fp8_tensor":
-        raise ValueError("a static activation scale is only defined for fp8_tensor")
     if out is None:
         out = torch.empty((R, K), dtype=FP8_DTYPE, device=x.device)
     if static_scale is not None:
@@ -223,58 +335,18 @@ def quantize_activation(
             global_num_experts = expert_map.numel() if expert_map is not None else num_experts
     ids_arg = topk_ids if has_ids else x
     map_arg = expert_map if expert_map is not None else ids_arg
+    gates = {"HAS_IDS": has_ids, "HAS_MAP": expert_map is not None}
     gE, E = (global_num_experts or 0), (num_experts or 0)
-    block_k = group_k if mode == 3 else max(16, min(1024, next_pow2(K)))
+    block_k = _row_block_k(mode, K, group_k)
     n_part = num_partials(R)
     if dynamic:
         if partial is None:
             partial = torch.empty(n_part, dtype=torch.float32, device=x.device)
-        rpp = cdiv(R, n_part)
-        launch(
-            _absmax_partial,
-            (n_part,),
-            x,
-            ids_arg,
-            map_arg,
-            partial,
-            R,
-            K,
-            rpp,
-            gE,
-            E,
-            x.stride(0),
-            HAS_IDS=has_ids,
-            HAS_MAP=expert_map is not None,
-            BLOCK_R=4,
-            BLOCK_K=min(block_k, 256),
-            num_warps=4,
-        )
-    sm, sk = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
+        args = (x, ids_arg, map_arg, partial, R, K, cdiv(R, n_part), gE, E, x.stride(0))
+        launch(_absmax_partial, (n_part,), *args, **gates, **_absmax_meta(block_k))
+    args = (x, out, scale, ids_arg, map_arg, None, partial if dynamic else x, n_part, None, K, gE, E)
     launch(
-        _quant_rows,
-        (R,),
-        x,
-        out,
-        scale,
-        ids_arg,
-        map_arg,
-        partial if dynamic else x,
-        n_part,
-        K,
-        gE,
-        E,
-        x.stride(0),
-        out.stride(0),
-        sm,
-        sk,
-        MODE=mode,
-        DYNAMIC=dynamic,
-        HAS_IDS=has_ids,
-        HAS_MAP=expert_map is not None,
-        BLOCK_K=block_k,
-        P_PAD=next_pow2(n_part),
-        ROUND_IN_FP32=x.device.type == "cpu",
-        num_warps=4,
+        _quant_rows, (R,), *args, *_row_strides(x, out, scale), **gates, **_row_meta(mode, dynamic, block_k, n_part, x)
     )
     return out, scale
 

@@ -1,0 +1,291 @@
+"""The parts every expert GEMM kernel is made of: the standard layout's (:mod:`.grouped_gemm`) and the batched
+layout's (:mod:`.batched_gemm`).
+
+A kernel maps its program to one expert, a BLOCK_M block of activation rows (``row_ok`` masks the rows that do
+not exist) and a BLOCK_N tile of output columns, then runs, in this order:
+
+- :func:`columns`: the tile's output columns, their store mask, and the wrapped columns the K loop reads
+  (columns past N wrap onto valid ones, so the loop needs no N mask; they are computed and never stored).
+- :func:`k_loop`: the K loop. fp32 accumulators of ``a[rows] @ w[e, cols].T`` and, when GATED, of the
+  up columns ``cols + N`` (GEMM1: gate rows then up rows of ``w1``). A rows outside ``row_ok`` and, for a K that
+  is not a multiple of BLOCK_K, the K tail are masked to zero on load; fp8 scales are applied by ``QUANT``.
+- :func:`epilogue`: router weight on the input side, bias, the gated activation, router weight on the output
+  side, then one masked store in the output's dtype.
+
+All choices are constexprs, so every kernel compiles to the code it had with these lines written inline.
+
+fp8 (e4m3, w8a8) scales by ``QUANT`` (codes of :data:`QUANT_CODES`):
+  1 ``fp8_tensor``: acc * a_scale[0] * w_scale[e];   2 ``fp8_token``: acc * a_scale[row] * w_scale[e, col];
+  3 ``fp8_block``: per K tile (BLOCK_K divides the group), acc += dot * a_scale[row, kg] * w_scale[e, col//gn, kg].
+
+The host half: :class:`Numerics` (quantization mode, scales, scale groups and fp32 dot precision of a GEMM's
+operands, as the op wrappers take them), :func:`check_operands` (the dtype and scale rules of every wrapper),
+:func:`scale_ptrs` and :func:`scale_strides` (the scale arguments as the kernels take them) and
+:func:`tile_meta` (the constexprs and launch options of a config).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import GemmConfig
+
+QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
+#: Gated activations of GEMM1's epilogue (``_activate``).
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}
+# gpt-oss's clamped SwiGLU (fusedmoe.problem.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)
+_SWIGLUOAI_ALPHA = tl.constexpr(1.702)
+_SWIGLUOAI_LIMIT = tl.constexpr(7.0)
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _activate(gate, up, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:  # silu(g) * u
+        return gate * tl.sigmoid(gate) * up
+    if ACTIVATION == 2:  # swigluoai: g * sigmoid(alpha g) * (u + 1), g = min(gate, L), u = clamp(up, -L, L)
+        g = tl.minimum(gate, _SWIGLUOAI_LIMIT)
+        u = tl.minimum(tl.maximum(up, -_SWIGLUOAI_LIMIT), _SWIGLUOAI_LIMIT)
+        return g * tl.sigmoid(_SWIGLUOAI_ALPHA * g) * (u + 1.0)
+    if ACTIVATION == 3:  # gelu_exact: 0.5 g (1 + erf(g / sqrt(2))) * u
+        return 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    # gelu_tanh(g) * u, using 0.5 * (1 + tanh(z)) == sigmoid(2z)
+    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    return gate * tl.sigmoid(2.0 * z) * up
+
+
+@triton.jit
+def columns(pid_n, N, BLOCK_N: tl.constexpr):
+    """(offs_n, n_ok, offs_nw) of output tile ``pid_n``: the columns, their store mask, and the columns wrapped
+    into [0, N) as int64 (what the K loop and the column-indexed loads read)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n < N, (offs_n % N).to(tl.int64)
+
+
+@triton.jit
+def k_loop(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The K loop of one tile of ``expert``: ``(acc_g, acc_u)``, fp32 [BLOCK_M, BLOCK_N] (the lengths of ``rows``
+    and ``offs_nw``), scaled back from fp8 by ``QUANT``.
+
+    Operands (tuples of runtime values; ``*_e`` strides step from one expert to the next):
+
+    - ``a_op = (a_ptr, stride_ae, rows, stride_am, stride_ak)``: activation row i of the expert starts at
+      ``a_ptr + expert * stride_ae + rows[i] * stride_am`` (``rows`` int64 [BLOCK_M]; ``stride_ae`` 0 when the
+      rows index one shared matrix); rows outside ``row_ok`` load as 0, so their accumulators are 0.
+    - ``w_op = (w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk)``: column j reads the expert's weight row
+      ``offs_nw[j]`` (int64 [BLOCK_N], in [0, N)) and, when GATED, row ``offs_nw[j] + N`` for ``acc_u`` (else
+      ``acc_u`` is zeros, unused).
+    - ``scales = (a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn,
+      stride_wsk)``: the activation scale of row i at ``a_scale_ptr + scale_rows[i] * stride_asm`` (fp8_token,
+      fp8_block; fp8_tensor reads ``a_scale_ptr[0]``), the expert's weight scales at ``w_scale_ptr + expert *
+      stride_wse``. Unread when QUANT is 0.
+
+    ``acc_g[i, j] = sum_k a[i, k] * w[offs_nw[j], k]`` over ``k < K``; ``EVEN_K``: K is a multiple of BLOCK_K, so
+    the loads need no K mask.
+    """
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + offs_nw[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if GATED:
+        u_ptrs = g_ptrs + N * stride_wn
+
+    acc_g = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    acc_u = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    if QUANT == 3:
+        as_ptrs = a_scale_ptr + scale_rows * stride_asm
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        gs_ptrs = ws_base + (offs_nw // GROUP_N) * stride_wsn
+        if GATED:
+            us_ptrs = ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn
+
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs)
+            if GATED:
+                u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            if GATED:
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if QUANT == 3:
+            kg = (kt * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
+            g_s = tl.load(gs_ptrs + kg * stride_wsk)
+            if GATED:
+                u_s = tl.load(us_ptrs + kg * stride_wsk)
+            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+            if GATED:
+                acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+        else:
+            acc_g = _mma(a, g, acc_g, IEEE)
+            if GATED:
+                acc_u = _mma(a, u, acc_u, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            u_ptrs += BLOCK_K * stride_wk
+
+    if QUANT == 1:
+        s = tl.load(a_scale_ptr) * tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse)
+        acc_g = acc_g * s
+        if GATED:
+            acc_u = acc_u * s
+    elif QUANT == 2:
+        a_s = tl.load(a_scale_ptr + scale_rows * stride_asm, mask=row_ok, other=0.0)
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        acc_g = acc_g * a_s[:, None] * tl.load(ws_base + offs_nw * stride_wsn)[None, :]
+        if GATED:
+            acc_u = acc_u * a_s[:, None] * tl.load(ws_base + (offs_nw + N) * stride_wsn)[None, :]
+    return acc_g, acc_u
+
+
+@triton.jit
+def epilogue(
+    acc_g,
+    acc_u,
+    row_ok,
+    expert,
+    weights,
+    bias,
+    out,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+):
+    """Finish a tile of :func:`k_loop` and store it.
+
+    - ``weights = (topk_w_ptr, slot)``: router weight of row i at ``topk_w_ptr + slot[i]``; applied before the
+      bias when WEIGHT_ON_INPUT (it scales the input row), after the activation when MUL_WEIGHT (the output row).
+      Unread (may be None) when both are off.
+    - ``bias = (bias_ptr, stride_be, offs_nw, N, stride_bn)``: the expert's bias at ``bias_ptr + expert *
+      stride_be``; its entries ``offs_nw`` are added to ``acc_g`` and, when GATED, ``offs_nw + N`` to ``acc_u``.
+      Unread (may be None) without HAS_BIAS.
+    - ``out = (out_ptr, stride_oe, out_rows, stride_om, offs_n, stride_on, n_ok)``: stores
+      ``out_ptr[expert * stride_oe + out_rows[i] * stride_om + offs_n[j] * stride_on]`` for ``row_ok[i]`` and
+      ``n_ok[j]``, in ``out_ptr``'s element type (``stride_oe`` 0 when the rows index one shared matrix).
+
+    GATED stores ``activation(gate, up)`` (``ACTIVATION``: a code of :data:`ACTIVATION_CODES`), else ``acc_g``.
+    """
+    if WEIGHT_ON_INPUT:
+        topk_w_ptr, slot = weights
+        wt = tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)
+        acc_g = acc_g * wt[:, None]
+        if GATED:
+            acc_u = acc_u * wt[:, None]
+    if HAS_BIAS:
+        bias_ptr, stride_be, offs_nw, N, stride_bn = bias
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + offs_nw * stride_bn).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + (offs_nw + N) * stride_bn).to(tl.float32)[None, :]
+    if GATED:
+        res = _activate(acc_g, acc_u, ACTIVATION)
+    else:
+        res = acc_g
+    if MUL_WEIGHT:
+        topk_w_ptr, slot = weights
+        res = res * tl.load(topk_w_ptr + slot, mask=row_ok, other=0.0)[:, None]
+    out_ptr, stride_oe, out_rows, stride_om, offs_n, stride_on, n_ok = out
+    o_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + out_rows.to(tl.int64)[:, None] * stride_om
+    o_ptrs += offs_n[None, :] * stride_on
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# ---- host side --------------------------------------------------------------------------------------------------
+class Numerics(NamedTuple):
+    """How a GEMM's operands are stored and multiplied: ``mode`` (None, or a key of :data:`QUANT_CODES`) with its
+    fp8 scales ``a_scale`` / ``w_scale`` and scale groups ``block_shape = (gn, gk)``, and ``fp32_ieee`` (IEEE
+    instead of TF32 dots for float32 operands). The default is unquantized, TF32."""
+
+    mode: str | None = None
+    a_scale: torch.Tensor | None = None
+    w_scale: torch.Tensor | None = None
+    block_shape: tuple[int, int] = (128, 128)
+    fp32_ieee: bool = False
+
+
+def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: GemmConfig) -> None:
+    """The dtype and scale rules of every expert GEMM: a known mode; quantized: both scales given and e4m3
+    operands; else one dtype; fp8_block: BLOCK_K divides the K scale group."""
+    mode = num.mode
+    if mode not in QUANT_CODES:
+        raise ValueError(f"unknown quant_mode {mode!r}")
+    if mode is not None:
+        if num.a_scale is None or num.w_scale is None:
+            raise ValueError(f"{mode} needs a_scale and w_scale")
+        if a.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{mode}: activations and weights must be float8_e4m3fn")
+    elif a.dtype != w.dtype:
+        raise TypeError(f"activation dtype {a.dtype} != weight dtype {w.dtype}")
+    gk = num.block_shape[1]
+    if mode == "fp8_block" and gk % config.block_k:
+        raise ValueError(f"fp8_block: BLOCK_K {config.block_k} must divide the scale group {gk}")
+
+
+def scale_ptrs(num: Numerics, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_scale, w_scale) kernel arguments: the scales, or ``dummy`` (never read) where there are none."""
+    return (num.a_scale if num.a_scale is not None else dummy, num.w_scale if num.w_scale is not None else dummy)
+
+
+def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
+    """(stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk) for the scale layouts of each mode."""
+    a_scale, w_scale = num.a_scale, num.w_scale
+    if num.mode is None:
+        return 0, 0, 0, 0, 0
+    if num.mode == "fp8_tensor":
+        return 0, 0, w_scale.stride(0), 0, 0
+    if num.mode == "fp8_token":
+        return a_scale.stride(0), 0, w_scale.stride(0), w_scale.stride(1), 0
+    return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
+
+
+def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, activation: str | None) -> dict:
+    """The constexprs and launch options every expert GEMM takes: tiles and launch settings of ``config``,
+    quantization of ``num``, IEEE dots (``dtype``: the activations'), ``EVEN_K`` (``K``: the reduction length),
+    and GATED with its activation code (``activation`` None: not gated, GEMM2)."""
+    return {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "QUANT": QUANT_CODES[num.mode],
+        "GROUP_N": num.block_shape[0],
+        "GROUP_K": num.block_shape[1],
+        "GATED": activation is not None,
+        "ACTIVATION": ACTIVATION_CODES[activation] if activation is not None else 0,
+        "IEEE": num.fp32_ieee and dtype == torch.float32,
+        "EVEN_K": K % config.block_k == 0,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
