@@ -314,6 +314,25 @@ class FusedMoE(nn.Module):
         """Whether autograd needs this forward's graph: an input or a parameter requires grad."""
         return any(t is not None and t.requires_grad for t in (x, router_logits, *self.parameters()))
 
+    def _routed_experts(self, run, x: torch.Tensor, router_logits: torch.Tensor | None, **extra) -> torch.Tensor:
+        """``run`` (:func:`fusedmoe.fused_moe` or the registered op) on ``x`` [M, H] routed by :meth:`route`, with
+        this layer's weights and settings (and ``extra`` keywords)."""
+        topk_weights, topk_ids = self.route(x, router_logits)
+        return run(
+            x,
+            self.w1,
+            self.w2,
+            topk_weights,
+            topk_ids,
+            activation=self.activation,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            workspace=self.workspace,
+            backend=self.backend,
+            w1_bias=self.w1_bias,
+            w2_bias=self.w2_bias,
+            **extra,
+        )
+
     def _forward_train(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         """The forward with autograd: routing in differentiable torch ops (:meth:`route`), the experts through
         :func:`fusedmoe.fused_moe` (its backward: :mod:`fusedmoe.training`), the shared experts as modules.
@@ -330,23 +349,15 @@ class FusedMoE(nn.Module):
                 **dict(self.named_parameters()),
             )
         x = hidden_states.reshape(-1, self.hidden_size)
-        topk_weights, topk_ids = self.route(x, router_logits)
         from .api import fused_moe
 
-        out = fused_moe(
+        emap = self._buffers.get("expert_map")
+        out = self._routed_experts(
+            fused_moe,
             x,
-            self.w1,
-            self.w2,
-            topk_weights,
-            topk_ids,
-            activation=self.activation,
-            apply_router_weight_on_input=self.apply_router_weight_on_input,
-            expert_map=self._buffers.get("expert_map"),
-            global_num_experts=self.num_experts if self._buffers.get("expert_map") is not None else None,
-            workspace=self.workspace,
-            backend=self.backend,
-            w1_bias=self.w1_bias,
-            w2_bias=self.w2_bias,
+            router_logits,
+            expert_map=emap,
+            global_num_experts=self.num_experts if emap is not None else None,
         )
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
@@ -394,21 +405,7 @@ class FusedMoE(nn.Module):
             # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op
 
-            topk_weights, topk_ids = self.route(x, router_logits)
-            out = fused_moe_op(
-                x,
-                self.w1,
-                self.w2,
-                topk_weights,
-                topk_ids,
-                activation=self.activation,
-                apply_router_weight_on_input=self.apply_router_weight_on_input,
-                workspace=self.workspace,
-                backend=self.backend,
-                w1_bias=self.w1_bias,
-                w2_bias=self.w2_bias,
-                owner=self.owner_key,
-            )
+            out = self._routed_experts(fused_moe_op, x, router_logits, owner=self.owner_key)
         else:
             p = self.problem(x.shape[0], x.dtype)
             kernel, manager = self._resolve(p, x.device)

@@ -167,12 +167,12 @@ def _ids(c) -> torch.Tensor:
 
 
 # ---- steps (their parameters name the buffers they touch; see fusedmoe.steps) ---------------------------------
-@step
-def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
+def align_slots(c, block_m: int, sorted_ids, block_expert, num_padded, align_partial=None) -> None:
+    """The alignment of ``c``'s top-k ids into ``block_m``-row expert blocks, written into the step's buffers."""
     moe_align(
         _ids(c),
         c.p.E,
-        c.launch.config.block_m,
+        block_m,
         expert_map=c.x.expert_map,
         global_num_experts=c.p.global_E,
         sorted_ids=sorted_ids,
@@ -180,6 +180,11 @@ def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
         num_padded=num_padded,
         partial=align_partial,
     )
+
+
+@step
+def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
+    align_slots(c, c.launch.config.block_m, sorted_ids, block_expert, num_padded, align_partial)
 
 
 @step

@@ -29,7 +29,8 @@ import triton.language as tl
 
 from ._util import cdiv, next_pow2
 from .align import _local_expert
-from .grouped_gemm import _ACTIVATIONS, _SWIGLUOAI_ALPHA, _SWIGLUOAI_LIMIT, _activate, _mma, _tile_ids
+from .expert_gemm import _SWIGLUOAI_ALPHA, _SWIGLUOAI_LIMIT, ACTIVATION_CODES, _activate, _mma
+from .grouped_gemm import _tile_ids
 from .launcher import launch
 
 
@@ -373,7 +374,7 @@ def moe_bwd_act(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=group_m,
-        ACTIVATION=_ACTIVATIONS[activation],
+        ACTIVATION=ACTIVATION_CODES[activation],
         WEIGHT_ON_INPUT=apply_router_weight_on_input,
         HAS_BIAS1=w1_bias is not None,
         HAS_BIAS2=w2_bias is not None,

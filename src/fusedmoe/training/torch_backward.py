@@ -77,6 +77,14 @@ def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, acc: torch.dtype) 
     return torch.matmul(a.to(dtype), b.to(dtype)).to(acc)
 
 
+def _prologue(x, w1, topk_weights, topk_ids, expert_map, global_num_experts):
+    """(compute dtype, expert segments, flat routing weights in it) shared by the forward and the backward."""
+    E = w1.shape[0]
+    global_E = global_num_experts or (expert_map.shape[0] if expert_map is not None else E)
+    acc = _compute_dtype(x.dtype)
+    return acc, expert_segments(topk_ids, expert_map, E, global_E), topk_weights.reshape(-1).to(acc)
+
+
 def moe_forward_torch(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -93,13 +101,9 @@ def moe_forward_torch(
 ) -> torch.Tensor:
     """The forward above in ``hidden_states``' dtype (any float dtype, float64 included): [M, H]."""
     x = hidden_states
-    E = w1.shape[0]
-    global_E = global_num_experts or (expert_map.shape[0] if expert_map is not None else E)
-    acc = _compute_dtype(x.dtype)
-    seg = expert_segments(topk_ids, expert_map, E, global_E)
-    w = topk_weights.reshape(-1).to(acc)
+    acc, seg, w = _prologue(x, w1, topk_weights, topk_ids, expert_map, global_num_experts)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    for e in range(E):
+    for e in range(w1.shape[0]):
         rows = seg.of(e)
         if rows.start == rows.stop:
             continue
@@ -139,13 +143,10 @@ def moe_backward_torch(
     """
     x, on_input = hidden_states, apply_router_weight_on_input
     E = w1.shape[0]
-    global_E = global_num_experts or (expert_map.shape[0] if expert_map is not None else E)
-    acc = _compute_dtype(x.dtype)
+    acc, seg, w = _prologue(x, w1, topk_weights, topk_ids, expert_map, global_num_experts)
     need_x, need_w1, need_w2, need_w, need_b1, need_b2 = needs
     need_b1 &= w1_bias is not None
     need_b2 &= w2_bias is not None
-    seg = expert_segments(topk_ids, expert_map, E, global_E)
-    w = topk_weights.reshape(-1).to(acc)
     g = grad_out.to(acc)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_x else None
     dw1 = torch.zeros(w1.shape, dtype=acc, device=x.device) if need_w1 else None

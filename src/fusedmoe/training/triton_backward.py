@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.align import AlignParams, align_params, moe_align
+from ..experts.triton_experts import align_slots
+from ..ops.align import AlignParams, align_params
 from ..ops.configs import GemmConfig
+from ..ops.expert_gemm import Numerics
 from ..ops.grouped_gemm import grid_blocks, moe_gemm2
 from ..ops.moe_backward import bwd_act_tiles, expert_block_ranges, moe_bwd_act, moe_dweights, moe_wgrad
 from ..ops.reduce import moe_reduce
@@ -123,17 +125,7 @@ def _ids(c: Call) -> torch.Tensor:
 
 @step
 def _align(c, sorted_ids, block_expert, num_padded, align_partial=None):
-    moe_align(
-        _ids(c),
-        c.p.E,
-        c.launch.block_m,
-        expert_map=c.x.expert_map,
-        global_num_experts=c.p.global_E,
-        sorted_ids=sorted_ids,
-        block_expert=block_expert,
-        num_padded=num_padded,
-        partial=align_partial,
-    )
+    align_slots(c, c.launch.block_m, sorted_ids, block_expert, num_padded, align_partial)
 
 
 @step
@@ -231,7 +223,7 @@ def _dx_slots(c, sorted_ids, block_expert, dh, dx_slots):
         num_blocks=L.num_blocks,
         config=L.dx,
         topk_weights=x.topk_weights if c.p.apply_router_weight_on_input else None,
-        fp32_ieee=L.ieee,
+        numerics=Numerics(fp32_ieee=L.ieee),
     )
 
 
