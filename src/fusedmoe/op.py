@@ -56,6 +56,47 @@ def lookup_workspace(i: int) -> WorkspaceManager | None:
     return mgr
 
 
+def _op_problem(
+    hidden_states,
+    w1,
+    w2,
+    topk_weights,
+    topk_ids,
+    w1_bias,
+    w2_bias,
+    activation,
+    apply_router_weight_on_input,
+    global_num_experts,
+    expert_map,
+    quant=None,
+    scales=(None, None, None, None),
+):
+    """The validated problem of the op's arguments (``global_num_experts`` < 0: the default; ``scales``: w1, w2,
+    a1, a2)."""
+    from .checks import check_fused_moe_args
+
+    w1_scale, w2_scale, a1_scale, a2_scale = scales
+    return check_fused_moe_args(
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        expert_map=expert_map,
+        global_num_experts=None if global_num_experts < 0 else global_num_experts,
+        quant=quant,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        checks=None,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+    )
+
+
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def _fused_moe_impl(
     hidden_states: Tensor,
@@ -79,28 +120,23 @@ def _fused_moe_impl(
     owner: str = "",
 ) -> Tensor:
     from .api import run_problem
-    from .checks import check_fused_moe_args
     from .experts.base import ExpertsInputs
 
     workspace = lookup_workspace(workspace_id)
-    p = check_fused_moe_args(
+    p = _op_problem(
         hidden_states,
         w1,
         w2,
         topk_weights,
         topk_ids,
-        activation=activation,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        expert_map=expert_map,
-        global_num_experts=None if global_num_experts < 0 else global_num_experts,
-        quant=quant,
-        w1_scale=w1_scale,
-        w2_scale=w2_scale,
-        a1_scale=a1_scale,
-        a2_scale=a2_scale,
-        checks=None,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
+        w1_bias,
+        w2_bias,
+        activation,
+        apply_router_weight_on_input,
+        global_num_experts,
+        expert_map,
+        quant,
+        (w1_scale, w2_scale, a1_scale, a2_scale),
     )
     x = ExpertsInputs(
         hidden_states,
@@ -150,27 +186,21 @@ def _fused_moe_backward_impl(
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     from .api import resolve
-    from .checks import check_fused_moe_args
     from .training import BackwardSettings
     from .training.function import moe_backward
 
-    p = check_fused_moe_args(
+    p = _op_problem(
         hidden_states,
         w1,
         w2,
         topk_weights,
         topk_ids,
-        activation=activation,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        expert_map=expert_map,
-        global_num_experts=None if global_num_experts < 0 else global_num_experts,
-        quant=None,
-        w1_scale=None,
-        w2_scale=None,
-        a1_scale=None,
-        a2_scale=None,
-        w1_bias=w1_bias,
-        w2_bias=w2_bias,
+        w1_bias,
+        w2_bias,
+        activation,
+        apply_router_weight_on_input,
+        global_num_experts,
+        expert_map,
     )
     kernel, manager = resolve(p, hidden_states.device, backend, lookup_workspace(workspace_id))
     name = kernel.experts.name
