@@ -7,6 +7,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fusedmoe import fused_moe
 from fusedmoe.routing import route
+from fusedmoe.tools.bench.floors import _median_ms
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "dsv2lite": (64, 6, 2048, 1408)}
 
@@ -25,21 +26,6 @@ def case(name, M, dtype=torch.bfloat16):
 def step(x, w1, w2, tw, ids, gout):
     out = fused_moe(x, w1, w2, tw, ids)
     out.backward(gout)
-
-
-def timed(fn, n=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(n):
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
 
 
 def grouped_mm_ref(x, w1, w2, tw, ids):
@@ -66,14 +52,14 @@ def main():
         M = int(M)
         x, w1, w2, tw, ids = case(name, M)
         gout = torch.randn_like(x)
-        t_fb = timed(lambda: step(x, w1, w2, tw, ids, gout))
+        t_fb = _median_ms(lambda: step(x, w1, w2, tw, ids, gout))
         with torch.no_grad():
-            t_f = timed(lambda: fused_moe(x, w1, w2, tw, ids))
+            t_f = _median_ms(lambda: fused_moe(x, w1, w2, tw, ids))
 
         def ref_step():
             grouped_mm_ref(x, w1, w2, tw, ids).backward(gout)
 
-        t_ref = timed(ref_step)
+        t_ref = _median_ms(ref_step)
         E, k, H, I = SHAPES[name]
         flops = 3 * 2 * M * k * H * 3 * I
         # gradient agreement with the grouped_mm reference

@@ -8,25 +8,12 @@ import torch
 from fusedmoe.checks import check_fused_moe_args
 from fusedmoe.ops.configs import GemmConfig
 from fusedmoe.routing import route
+from fusedmoe.tools.bench.floors import _median_ms
 from fusedmoe.training.triton_backward import BackwardInputs, Tiles, TritonBackward, pin_backward_tiles
 from fusedmoe.workspace.manager import default_manager
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "dsv2lite": (64, 6, 2048, 1408)}
 NEEDS = (True,) * 4 + (False, False)
-
-
-def timed(fn, n=5):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(n):
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[n // 2]
 
 
 def main():
@@ -64,7 +51,7 @@ def main():
         bwd, mgr = TritonBackward(), default_manager(x.device)
         pin_backward_tiles()
         ref = bwd(inputs, p, NEEDS, mgr)
-        base = timed(lambda: bwd(inputs, p, NEEDS, mgr))
+        base = _median_ms(lambda: bwd(inputs, p, NEEDS, mgr))
         rows = M * k / E
         print(f"== {name} M={M} (rows/expert {rows:.0f}): default backward {base:.3f} ms", flush=True)
         bms = [64, 128] if rows > 64 else [16, 32, 64]
@@ -97,7 +84,7 @@ def main():
                     ((getattr(got, n).float() - getattr(ref, n).float()).norm() / getattr(ref, n).float().norm()).item()
                     for n in ("hidden_states", "w1", "w2", "topk_weights")
                 )
-                ms = timed(lambda: bwd(inputs, p, NEEDS, mgr))
+                ms = _median_ms(lambda: bwd(inputs, p, NEEDS, mgr))
                 print(f"   {ms:8.3f} ms  err {err:.1e}  {c}", flush=True)
             except Exception as exc:  # a tile that does not fit (shared memory) is a result too
                 print(f"   failed {c}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
