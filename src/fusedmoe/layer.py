@@ -311,8 +311,12 @@ class FusedMoE(nn.Module):
         return router
 
     def _wants_grad(self, x, router_logits) -> bool:
-        """Whether autograd needs this forward's graph: an input or a parameter requires grad."""
-        return any(t is not None and t.requires_grad for t in (x, router_logits, *self.parameters()))
+        """Whether autograd needs this forward's graph: an input or a parameter requires grad. On the hot path
+        (grad mode on): the layer's own parameter dict is read directly unless a subclass added submodules."""
+        if x.requires_grad or (router_logits is not None and router_logits.requires_grad):
+            return True
+        params = self.parameters() if self._modules else self._parameters.values()
+        return any(t is not None and t.requires_grad for t in params)
 
     def _routed_experts(self, run, x: torch.Tensor, router_logits: torch.Tensor | None, **extra) -> torch.Tensor:
         """``run`` (:func:`fusedmoe.fused_moe` or the registered op) on ``x`` [M, H] routed by :meth:`route`, with
