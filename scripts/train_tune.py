@@ -16,9 +16,23 @@ SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336), "dsv2lit
 NEEDS = (True,) * 4 + (False, False)
 
 
+def saved_preact(x, w1, w2, tw, ids):
+    """The raw GEMM1 output the training forward saves (what the backward reads unless recompute=True)."""
+    from fusedmoe import fused_moe
+
+    out = fused_moe(x.detach().requires_grad_(), w1, w2, tw, ids)
+    return out.grad_fn.saved_tensors[-1]
+
+
 def main():
     t0 = time.time()
-    for spec in sys.argv[1:] or ["mixtral:4096", "qwen3:4096", "dsv2lite:4096", "qwen3:16384"]:
+    recompute = "--recompute" in sys.argv
+    for spec in [a for a in sys.argv[1:] if not a.startswith("--")] or [
+        "mixtral:4096",
+        "qwen3:4096",
+        "dsv2lite:4096",
+        "qwen3:16384",
+    ]:
         name, M = spec.split(":")
         M = int(M)
         E, k, H, I = SHAPES[name]
@@ -47,17 +61,25 @@ def main():
             w1_bias=None,
             w2_bias=None,
         )
-        inputs = BackwardInputs(x, w1, w2, tw, ids, None, None, None, g)
+        preact = None if recompute else saved_preact(x, w1, w2, tw, ids)
+        inputs = BackwardInputs(x, w1, w2, tw, ids, None, None, None, g, preact)
         bwd, mgr = TritonBackward(), default_manager(x.device)
         pin_backward_tiles()
         ref = bwd(inputs, p, NEEDS, mgr)
         base = _median_ms(lambda: bwd(inputs, p, NEEDS, mgr))
         rows = M * k / E
-        print(f"== {name} M={M} (rows/expert {rows:.0f}): default backward {base:.3f} ms", flush=True)
-        bms = [64, 128] if rows > 64 else [16, 32, 64]
+        mode = "recompute" if recompute else "saved GEMM1 output"
+        print(f"== {name} M={M} (rows/expert {rows:.0f}, {mode}): default backward {base:.3f} ms", flush=True)
+        bms = [64] if rows > 64 else [16, 32, 64]
         cands = []
         for bm in bms:
             cands.append({"block_m": bm})
+        if rows > 256:  # 128-row blocks: bwd_act and dX tiles twice as tall, the weight gradients still in 64-row steps
+            act_tall = Tiles(128, 64, 8, 4)
+            dx_tall = GemmConfig(128, 256, 64, 8, 8, 3)
+            cands.append({"block_m": 128, "wgrad_step": 64, "act": act_tall})
+            cands.append({"block_m": 128, "wgrad_step": 64, "act": act_tall, "dx": dx_tall})
+            cands.append({"block_m": 128, "wgrad_step": 64, "act": Tiles(256, 64, 8, 3), "dx": dx_tall})
         for t in [
             (128, 128, 8, 3),
             (128, 128, 8, 4),
@@ -68,10 +90,12 @@ def main():
             (64, 64, 4, 3),
         ]:
             cands.append({"wgrad": Tiles(*t)})
-        for t in [(64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 4)]:
+        for t in [(64, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]:
             cands.append({"act": Tiles(*t)})
         for t in [(128, 64, 8, 8, 3), (128, 64, 8, 4, 3), (256, 64, 8, 8, 3), (128, 128, 8, 8, 3), (64, 64, 8, 4, 3)]:
             cands.append({"dx": GemmConfig(0, *t)})
+        only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
+        cands = [c for c in cands if not only or set(c) & set(only[0].split(","))]
         for c in cands:
             if time.time() - t0 > 480:
                 print("time budget reached", flush=True)

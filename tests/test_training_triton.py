@@ -51,6 +51,20 @@ def _problem(x, w1, tw, expert_map, global_E, activation, on_input, bias):
     )
 
 
+def _saved_preact(x, w1, ids, expert_map):
+    """What the forward saves: ``x[t] @ w1[e]ᵀ`` per slot of a local expert; NaN rows elsewhere (never read)."""
+    M, k = ids.shape
+    n_ids = w1.shape[0] if expert_map is None else len(expert_map)
+    ok = (ids >= 0) & (ids < n_ids)
+    safe = torch.where(ok, ids, 0).long()
+    local = torch.where(ok, safe if expert_map is None else expert_map.long()[safe], -1)
+    pre = torch.full((M * k, w1.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    for s, e in enumerate(local.reshape(-1).tolist()):
+        if e >= 0:
+            pre[s] = (x[s // k].double() @ w1[e].double().T).to(x.dtype)
+    return pre
+
+
 def _compare(
     device,
     dtype,
@@ -68,6 +82,7 @@ def _compare(
     global_E=None,
     needs=(True,) * 6,
     seed=0,
+    saved=False,
 ):
     x, w1, w2, tw, ids, b1, b2, g = _case(M, E, k, H, I, dtype=dtype, device=device, bias=bias, ids=ids, seed=seed)
     emap = None if expert_map is None else expert_map.to(device)
@@ -89,7 +104,8 @@ def _compare(
     )
     manager = WorkspaceManager(device, poison=True)
     p = _problem(x, w1, tw, emap, global_E, activation, on_input, bias)
-    got = TritonBackward()(BackwardInputs(x, w1, w2, tw, ids, emap, b1, b2, g), p, needs, manager)
+    preact = _saved_preact(x, w1, ids, emap) if saved else None
+    got = TritonBackward()(BackwardInputs(x, w1, w2, tw, ids, emap, b1, b2, g, preact), p, needs, manager)
     tol = tolerance(dtype)
     for name in NAMES:
         want, have = getattr(ref, name), getattr(got, name)
@@ -107,8 +123,10 @@ def _compare(
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_exact", "swigluoai"])
 @pytest.mark.parametrize("on_input", [False, True])
-def test_matches_torch_backward(device, dtype, activation, on_input):
-    _compare(device, dtype, 9, 4, 2, 32, 16, activation=activation, on_input=on_input, bias=activation == "swigluoai")
+@pytest.mark.parametrize("saved", [False, True])
+def test_matches_torch_backward(device, dtype, activation, on_input, saved):
+    bias = activation == "swigluoai"
+    _compare(device, dtype, 9, 4, 2, 32, 16, activation=activation, on_input=on_input, bias=bias, saved=saved)
 
 
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
@@ -122,6 +140,7 @@ def test_expert_map_and_unroutable_ids(device, dtype):
     expert_map = torch.tensor([-1, 0, -1, 1, 2, -1], dtype=torch.int32)
     ids = torch.tensor([[1, 4], [0, 2], [4, -1], [9, 1], [3, 5], [0, 5]], dtype=torch.int32)
     ref, got = _compare(device, dtype, 6, 3, 2, 32, 16, ids=ids, expert_map=expert_map, global_E=6, bias=True)
+    _compare(device, dtype, 6, 3, 2, 32, 16, ids=ids, expert_map=expert_map, global_E=6, bias=True, saved=True)
     # token 5 reaches no local expert; its slots get exact zeros
     assert got.hidden_states[5].eq(0).all() and got.topk_weights[5].eq(0).all()
 
@@ -179,7 +198,8 @@ def test_deterministic(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
-def test_fused_moe_backward_on_the_triton_backend(device, dtype):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_fused_moe_backward_on_the_triton_backend(device, dtype, recompute):
     from fusedmoe import fused_moe
 
     x, w1, w2, tw, ids, b1, b2, g = _case(11, 4, 2, 32, 16, dtype=dtype, device=device, bias=True)
@@ -187,10 +207,85 @@ def test_fused_moe_backward_on_the_triton_backend(device, dtype):
     grads = []
     for backend in ("triton", "torch") if device == "cpu" else ("triton",):
         leaves = [t.clone().requires_grad_() for t in (x, w1, w2, tw, b1, b2)]
-        out = fused_moe(*leaves[:4], ids, w1_bias=leaves[4], w2_bias=leaves[5], backend=backend, workspace=manager)
+        out = fused_moe(
+            *leaves[:4],
+            ids,
+            w1_bias=leaves[4],
+            w2_bias=leaves[5],
+            backend=backend,
+            workspace=manager,
+            recompute=recompute,
+        )
+        saved = {t.shape for t in out.grad_fn.saved_tensors if t is not None}
+        assert ((ids.numel(), 2 * w1.shape[1] // 2) in saved) == (backend == "triton" and not recompute)
         out.backward(g)
         grads.append([t.grad for t in leaves])
     if device == "cpu":
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert manager.stats.calls >= 2  # the backward drew its scratch from the same manager
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("b_rows,step", [("token", 1), ("sorted", 1), ("sorted", 4), ("slot", 2)])
+def test_wgrad_row_modes_and_steps(device, dtype, b_rows, step):
+    """moe_wgrad gives Σ aᵀ b per expert whichever way b's rows are addressed, for K steps over several blocks
+    (an expert's blocks are contiguous; padding rows inside a step are masked or zero)."""
+    from fusedmoe.ops.align import moe_align
+    from fusedmoe.ops.moe_backward import expert_block_ranges, moe_wgrad
+
+    M, E, k, N, K, block_m = 23, 3, 2, 24, 40, 16
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(device, torch.int32)
+    ids[:9] = torch.tensor([0, 2], dtype=torch.int32)  # expert 0 and 2 span two blocks
+    sorted_ids, block_expert, num_padded = moe_align(ids, E, block_m)
+    ranges = expert_block_ranges(block_expert, torch.empty(E, 2, dtype=torch.int32, device=device))
+    P, S = sorted_ids.shape[0], M * k
+    valid = ((torch.arange(P, device=device) < num_padded) & (sorted_ids >= 0) & (sorted_ids < S)).cpu()
+    slot_of_pos = torch.where(valid, sorted_ids.cpu(), 0).long()
+    a = torch.randn(P, N, generator=g) * valid[:, None]  # dh-like: aligned order, zero padding
+    rows_b = {"token": M, "slot": S, "sorted": P}[b_rows]
+    b = torch.randn(rows_b, K, generator=g)
+    if b_rows == "sorted":
+        b *= valid[:, None]
+    out = torch.full((E, N, K), float("nan"), device=device, dtype=dtype)
+    a_, b_ = a.to(device, dtype), b.to(device, dtype)
+    step_m = step * block_m
+    moe_wgrad(
+        a_,
+        b_,
+        out,
+        sorted_ids,
+        ranges,
+        n_slots=S,
+        top_k=k,
+        block_m=block_m,
+        a_rows="sorted",
+        b_rows=b_rows,
+        step_m=step_m,
+        block_n=16,
+        block_k=32,
+    )
+    want = torch.zeros(E, N, K, dtype=torch.float64)
+    expert_of_pos = ids.cpu().reshape(-1).long()[slot_of_pos]
+    for pos in torch.nonzero(valid).flatten().tolist():
+        s = slot_of_pos[pos]
+        rb = {"token": s // k, "slot": s, "sorted": pos}[b_rows]
+        want[expert_of_pos[pos]] += torch.outer(a[pos].double(), b[rb].double())
+    err = (out.cpu().double() - want).norm() / want.norm()
+    assert err < tolerance(dtype), err
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("pins", [{"wgrad_step": 64}, {"block_m": 64, "wgrad_step": 16}], ids=["wide", "narrow"])
+def test_weight_gradient_steps(device, dtype, pins):
+    """The whole backward with the weight gradients stepping over several alignment blocks at a time, or over
+    part of one (the tall blocks of large M), with the saved GEMM1 output and without."""
+    from fusedmoe.training.triton_backward import pin_backward_tiles
+
+    pin_backward_tiles(**pins)
+    try:
+        _compare(device, dtype, 37, 3, 2, 40, 24, bias=True, saved=True)
+        _compare(device, dtype, 37, 3, 2, 40, 24, bias=True, on_input=True)
+    finally:
+        pin_backward_tiles()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -87,6 +88,7 @@ def fused_moe(
     checks: str | None = None,
     w1_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """Apply a Mixture-of-Experts layer to routed tokens.
 
@@ -110,6 +112,8 @@ def fused_moe(
         w1_bias: optional [E, 2I] (gate then up) added to GEMM1's output before the activation.
         w2_bias: optional [E, H] added to GEMM2's output before the routing weight multiplies it.
             Both in hidden_states' dtype (gpt-oss; see fusedmoe.integrations.loading for its weight conversion).
+        recompute: training only: recompute GEMM1's output in the backward instead of saving it ([M*k, 2I] in
+            hidden_states' dtype kept from forward to backward; docs/training.md has the trade-off).
 
     Returns:
         A new tensor [M, H] in hidden_states' dtype (never a view of the workspace). Differentiable: when
@@ -144,7 +148,7 @@ def fused_moe(
                 p, kernel, manager = verdict
                 x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
                 if torch.is_grad_enabled() and _wants_grad(x):
-                    return _differentiable(kernel, x, p, manager, sig)
+                    return _differentiable(kernel, x, p, manager, sig, recompute=recompute)
                 return kernel(x, p, manager=manager, layout_key=sig)
     p = check_fused_moe_args(
         *tensors[:5],
@@ -168,7 +172,7 @@ def fused_moe(
         _VERDICTS[key] = (p, kernel, manager)
     x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
     if torch.is_grad_enabled() and _wants_grad(x):
-        return _differentiable(kernel, x, p, manager, sig, workspace13, workspace2)
+        return _differentiable(kernel, x, p, manager, sig, workspace13, workspace2, recompute=recompute)
     return kernel(x, p, manager=manager, workspace13=workspace13, workspace2=workspace2, layout_key=sig)
 
 
@@ -204,9 +208,11 @@ def _differentiable(
     workspace13: torch.Tensor | None = None,
     workspace2: torch.Tensor | None = None,
     owner: object = None,
+    recompute: bool = False,
 ) -> torch.Tensor:
     """The call of ``p`` on ``x`` with autograd: the same forward, a backward for the inputs that require grad
-    (:mod:`fusedmoe.training`). Quantized calls and gradients of scales are refused."""
+    (:mod:`fusedmoe.training`). Quantized calls and gradients of scales are refused. On the Triton backend the
+    forward also writes GEMM1's raw output into a saved ``preact`` tensor unless ``recompute``."""
     if p.quant is not None:
         forbid_gradients(
             "fused_moe",
@@ -230,13 +236,28 @@ def _differentiable(
         p.activation, p.apply_router_weight_on_input, p.global_E, backend, p, triton_manager, owner
     )
 
+    preact = None
+    if backend == "triton" and not recompute and p.quant is None and p.M > 0:
+        preact = torch.empty((p.slots, 2 * p.I), dtype=p.dtype, device=x.hidden_states.device)
+    run = x if preact is None else dataclasses.replace(x, preact=preact)
+
     def forward() -> torch.Tensor:
         return kernel(
-            x, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2, layout_key=layout_key
+            run, p, manager=manager, owner=owner, workspace13=workspace13, workspace2=workspace2, layout_key=layout_key
         )
 
     return differentiable_moe(
-        forward, settings, x.hidden_states, x.w1, x.w2, x.topk_weights, x.topk_ids, x.expert_map, x.w1_bias, x.w2_bias
+        forward,
+        settings,
+        x.hidden_states,
+        x.w1,
+        x.w2,
+        x.topk_weights,
+        x.topk_ids,
+        x.expert_map,
+        x.w1_bias,
+        x.w2_bias,
+        preact=preact,
     )
 
 

@@ -164,7 +164,8 @@ class MoEKernel:
         replayed: the first call of a (program, layout_key) runs the steps under a
         :class:`~fusedmoe.ops.launcher.Recorder`; later calls reissue the recorded launches with the new
         pointers when the recorder found the run replayable (only Triton launches on roots and arena views).
-        Calls with caller workspaces, a poisoning manager or zero-requiring buffers always run the steps.
+        Calls with caller workspaces, a poisoning manager, zero-requiring buffers or a ``preact`` output always run
+        the steps.
         """
         hidden = x.hidden_states
         output = torch.empty((p.M, p.H), dtype=hidden.dtype, device=hidden.device)
@@ -175,6 +176,7 @@ class MoEKernel:
             return output
         if (
             layout_key is not None
+            and x.preact is None
             and launcher.ENABLED
             and workspace13 is None
             and workspace2 is None

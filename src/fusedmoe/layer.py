@@ -37,7 +37,8 @@ class FusedMoE(nn.Module):
     ``forward(hidden_states [..., H], router_logits=None)`` routes (computing logits with ``gate`` when none
     are given), runs the experts through ``fused_moe``'s kernel and adds the shared experts.
     ``workspace`` is the WorkspaceManager to draw scratch from (default: the device's shared manager); all
-    layers of a model should share one.
+    layers of a model should share one. ``recompute`` (training): recompute the experts' GEMM1 output in the
+    backward instead of keeping it from the forward (less memory, a slower backward; docs/training.md).
     """
 
     def __init__(
@@ -68,6 +69,7 @@ class FusedMoE(nn.Module):
         layout: str = "standard",
         max_tokens_per_rank: int | None = None,
         max_tokens_per_expert: int | None = None,
+        recompute: bool = False,
     ):
         super().__init__()
         E = positive_int("num_experts", num_experts)
@@ -97,6 +99,7 @@ class FusedMoE(nn.Module):
             positive_int("shared_intermediate_size", shared_intermediate_size)
         self.activation = activation
         self.apply_router_weight_on_input = bool(apply_router_weight_on_input)
+        self.recompute = bool(recompute)
         self.backend = backend
         self.workspace = workspace
         self.owner_key = f"FusedMoE#{next(_LAYER_IDS)}"  # per_layer arena key (no reference to self)
@@ -362,6 +365,7 @@ class FusedMoE(nn.Module):
             router_logits,
             expert_map=emap,
             global_num_experts=self.num_experts if emap is not None else None,
+            recompute=self.recompute,
         )
         if self.num_shared_experts:
             out = out + self.shared_experts(x)

@@ -23,6 +23,8 @@ class ExpertsInputs:
     ``expert_map``: int32 [global_E] or None. Scales as passed to ``fused_moe``.
     ``router_logits`` [M, E] / ``correction_bias`` [E]: only for a problem with ``routing`` (the kernel routes;
     ``topk_*`` are then None until its routing step fills them).
+    ``preact`` [M*k, 2I]: training's saved GEMM1 output; the Triton experts write their raw GEMM1 accumulators
+    into it (by slot) when given. Such calls are not replayed from a trace.
     """
 
     hidden_states: torch.Tensor
@@ -40,6 +42,7 @@ class ExpertsInputs:
     w2_bias: torch.Tensor | None = None
     router_logits: torch.Tensor | None = None
     correction_bias: torch.Tensor | None = None
+    preact: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         """Every field by name (the tensors a component hands to the next)."""

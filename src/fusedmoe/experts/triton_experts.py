@@ -206,7 +206,16 @@ def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale) -> None:
     weights = x.topk_weights if p.apply_router_weight_on_input else None
     opts = _gemm_options(c, c.launch.config.gemm1, a_scale, x.w1_scale, x.w1_bias)
     moe_gemm1(
-        a, x.w1, act, sorted_ids, block_expert, top_k=p.top_k, activation=p.activation, topk_weights=weights, **opts
+        a,
+        x.w1,
+        act,
+        sorted_ids,
+        block_expert,
+        top_k=p.top_k,
+        activation=p.activation,
+        topk_weights=weights,
+        preact=x.preact,
+        **opts,
     )
 
 

@@ -97,9 +97,13 @@ def _moe_gemm(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
+    A_SORTED: tl.constexpr = False,
+    preact_ptr=None,
+    stride_pm=0,
+    STORE_PREACT: tl.constexpr = False,
 ):
     """Output rows are slots; activation (and activation-scale) rows are ``slot // top_k``: tokens for GEMM1,
-    the slots themselves for GEMM2 (top_k = 1)."""
+    the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves."""
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -107,12 +111,20 @@ def _moe_gemm(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(sorted_ptr + offs_m)
     row_ok = slot < n_slots
-    rows = tl.where(row_ok, slot // top_k, 0).to(tl.int64)
+    if A_SORTED:
+        rows = offs_m.to(tl.int64)
+    else:
+        rows = tl.where(row_ok, slot // top_k, 0).to(tl.int64)
     offs_n, n_ok, offs_nw = columns(pid_n, N, BLOCK_N)
     a_op = (a_ptr, 0, rows, stride_am, stride_ak)
     w_op = (w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk)
     scales = (a_scale_ptr, rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk)
     acc_g, acc_u = k_loop(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K)
+    if STORE_PREACT:  # GEMM1's raw accumulators (before weight, bias, activation), saved for the backward
+        pre_ptrs = preact_ptr + tl.where(row_ok, slot, 0).to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+        pre_mask = row_ok[:, None] & n_ok[None, :]
+        tl.store(pre_ptrs, acc_g.to(preact_ptr.dtype.element_ty), mask=pre_mask)
+        tl.store(pre_ptrs + N, acc_u.to(preact_ptr.dtype.element_ty), mask=pre_mask)
     bias = (bias_ptr, stride_be, offs_nw, N, stride_bn)
     out = (out_ptr, 0, slot, stride_om, offs_n, stride_on, n_ok)
     weights = (topk_w_ptr, slot)
@@ -140,10 +152,27 @@ def _check(a, w, sorted_ids, block_expert, config, num: Numerics) -> None:
         raise TypeError("sorted_ids and block_expert must be int32")
 
 
-def _launch(a, w, out, sorted_ids, block_expert, N, K, top_k, num_blocks, config, activation, topk_weights, bias, num):
+def _launch(
+    a,
+    w,
+    out,
+    sorted_ids,
+    block_expert,
+    N,
+    K,
+    top_k,
+    num_blocks,
+    config,
+    activation,
+    topk_weights,
+    bias,
+    num,
+    a_sorted,
+    preact=None,
+):
     """One ``_moe_gemm`` launch writing ``out`` [n_slots, N]: GEMM1 when ``activation`` is given (gated: ``w``
     holds gate rows then up rows; ``topk_weights`` scale the input rows), else GEMM2 (``topk_weights`` scale
-    the output rows). Activation rows are ``slot // top_k``."""
+    the output rows). Activation rows are ``slot // top_k``, or the aligned positions when ``a_sorted``."""
     grid = (num_blocks * cdiv(N, config.block_n),)
     if num_blocks == 0 or N == 0:
         return out
@@ -177,6 +206,8 @@ def _launch(a, w, out, sorted_ids, block_expert, N, K, top_k, num_blocks, config
         WEIGHT_ON_INPUT=weighted and activation is not None,
         MUL_WEIGHT=weighted and activation is None,
         HAS_BIAS=bias is not None,
+        A_SORTED=a_sorted,
+        **({} if preact is None else {"preact_ptr": preact, "stride_pm": preact.stride(0), "STORE_PREACT": True}),
         **tile_meta(config, num, a.dtype, K, activation),
     )
     return out
@@ -196,6 +227,7 @@ def moe_gemm1(
     topk_weights: torch.Tensor | None = None,
     numerics: Numerics = Numerics(),
     bias: torch.Tensor | None = None,
+    preact: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 with the gated activation fused; writes ``out`` rows of the slots in valid blocks.
 
@@ -208,15 +240,37 @@ def moe_gemm1(
         topk_weights: float32 [M, top_k]; if given, scales each slot's accumulators (router weight on input).
         numerics: quantization (fp8 scales: see the module docstring for shapes per mode) and fp32 dot precision.
         bias: [E, 2I] (gate then up), added to the accumulators before the activation.
+        preact: [M*top_k, 2I] (slot-indexed, contiguous rows); when given, also receives the raw accumulators
+            ``a @ w1[e].T`` (gate columns, then up), before the weight, the bias and the activation (training
+            saves them for the backward). Unquantized calls only.
     """
     _check(a, w1, sorted_ids, block_expert, config, numerics)
+    if preact is not None and (
+        numerics.mode is not None or preact.shape != (out.shape[0], w1.shape[1]) or preact.stride(-1) != 1
+    ):
+        raise ValueError(f"preact must be a row-contiguous [{out.shape[0]}, {w1.shape[1]}] of an unquantized call")
     E, two_i, H = w1.shape
     I = two_i // 2
     if two_i != 2 * I or a.shape[-1] != H or out.shape[-1] != I or out.shape[0] != a.shape[0] * top_k:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, two_i))
     return _launch(
-        a, w1, out, sorted_ids, block_expert, I, H, top_k, num_blocks, config, activation, topk_weights, bias, numerics
+        a,
+        w1,
+        out,
+        sorted_ids,
+        block_expert,
+        I,
+        H,
+        top_k,
+        num_blocks,
+        config,
+        activation,
+        topk_weights,
+        bias,
+        numerics,
+        False,
+        preact,
     )
 
 
@@ -232,11 +286,13 @@ def moe_gemm2(
     topk_weights: torch.Tensor | None = None,
     numerics: Numerics = Numerics(),
     bias: torch.Tensor | None = None,
+    a_sorted: bool = False,
 ) -> torch.Tensor:
     """GEMM2: ``out[slot] = a[slot] @ w2[e].T`` (x topk_weights[slot] when given) for slots in valid blocks.
 
     Args:
-        a: [M*k, I] slot-indexed activations (e4m3 when quantized). w2: [E, H, I].
+        a: [M*k, I] slot-indexed activations (e4m3 when quantized), or with ``a_sorted`` one row per aligned
+            position (row ``i`` belongs to ``sorted_ids[i]``; at least ``len(sorted_ids)`` rows). w2: [E, H, I].
         out: [M*k, H] slot-indexed output, any float dtype.
         topk_weights: float32 [M, k] (flat index = slot) or None (weights applied on input).
         numerics: as for :func:`moe_gemm1`.
@@ -244,12 +300,13 @@ def moe_gemm2(
     """
     _check(a, w2, sorted_ids, block_expert, config, numerics)
     E, H, I = w2.shape
-    if a.shape[-1] != I or out.shape[-1] != H or a.shape[0] != out.shape[0]:
+    rows = sorted_ids.shape[0] if a_sorted else out.shape[0]
+    if a.shape[-1] != I or out.shape[-1] != H or (a.shape[0] < rows if a_sorted else a.shape[0] != rows):
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w2 {tuple(w2.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, H))
     # activation rows are the slots themselves: top_k = 1
     return _launch(
-        a, w2, out, sorted_ids, block_expert, H, I, 1, num_blocks, config, None, topk_weights, bias, numerics
+        a, w2, out, sorted_ids, block_expert, H, I, 1, num_blocks, config, None, topk_weights, bias, numerics, a_sorted
     )
 
 

@@ -5,20 +5,25 @@ GEMM1 output (``x[t] W1[e]ᵀ``, times ``w`` with the weight on the input, plus 
 ``g = d out``.
 
 - :func:`moe_bwd_act`: one program per (block of sorted slots, tile of I). One K loop over H runs three dots:
-  the recomputed gate and up (``x[t] @ W1[e]ᵀ``) and ``g[t] @ W2[e]`` (the unweighted ``da``). The epilogue
-  applies the routing weight, forms ``a`` and the activation's backward, and writes ``dh`` [S, 2I] (gate
-  columns, then up), ``a`` [S, I] (for dW2) and the tile's share of ``d w`` into ``dw_partial[tile, slot]``:
+  the recomputed gate and up (``x[t] @ W1[e]ᵀ``) and ``g[t] @ W2[e]`` (the unweighted ``da``); or, given the
+  forward's saved raw GEMM1 output (``preact``), only the last, the gate and up loaded in the epilogue. The epilogue
+  applies the routing weight, forms ``a`` and the activation's backward, and writes, in the aligned order (row =
+  the slot's position in ``sorted_ids``, padding rows zero), ``dh`` [P, 2I] (gate columns, then up) and ``a``
+  [P, I] (for dW2), and the tile's share of ``d w`` into
+  ``dw_partial[tile, slot]``:
   ``<a, g W2[e]>`` (plus ``<b2[e], g[t]>`` from the first tile), or with the weight on the input
   ``<dh, x[t] W1[e]ᵀ>``. The [S, 2I] GEMM1 output is never stored.
 - :func:`moe_wgrad`: ``out[e] = Σ_s A[s]ᵀ B[s]`` over the slots of expert ``e`` (rows of A and B addressed by
-  slot or by token, one of them optionally scaled by ``w``), with the column sums of A as the bias gradient.
-  One program per (expert, N tile, K tile) loops over that expert's blocks: every output element is written
-  exactly once, in a fixed order (deterministic; no atomics), including zeros for experts without slots.
+  slot, by token or by aligned position), with the column sums of A as
+  the bias gradient. One program per (expert, N tile, K tile) loops over that expert's contiguous rows of the
+  aligned order: every output element is written exactly once, in a fixed order (deterministic; no atomics),
+  including zeros for experts without slots.
 - :func:`expert_block_ranges`: ``ranges[e] = (first block, number of blocks)`` of each expert (its blocks are
   contiguous in the aligned order).
 - :func:`moe_dweights`: ``d w[s] = Σ_tile dw_partial[tile, s]`` for local slots, 0 for the others.
 
-Rows of non-local slots in ``dh``, ``a`` and ``dw_partial`` are never written and never read.
+Rows of blocks past ``num_padded`` in ``dh`` and ``a``, and columns of non-local slots in ``dw_partial``, are never
+written and never read.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def _moe_bwd_act(
     dh_ptr,
     act_ptr,
     part_ptr,
+    preact_ptr,
     n_slots,
     I,
     H,
@@ -89,10 +95,12 @@ def _moe_bwd_act(
     stride_dhm,
     stride_am,
     stride_pn,
+    stride_pm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SAVED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     WEIGHT_ON_INPUT: tl.constexpr,
     HAS_BIAS1: tl.constexpr,
@@ -132,20 +140,23 @@ def _moe_bwd_act(
     for kt in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             k_ok = offs_k < BLOCK_K
-            xa = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             ga = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(wg_ptrs)
-            wu = tl.load(wu_ptrs)
             w2t = tl.load(w2_ptrs)
+            if not SAVED:
+                xa = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = tl.load(wg_ptrs)
+                wu = tl.load(wu_ptrs)
         else:
             k_ok = offs_k < H - kt * BLOCK_K
-            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             ga = tl.load(g_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
             w2t = tl.load(w2_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = _mma(xa, wg, acc_g, IEEE)
-        acc_u = _mma(xa, wu, acc_u, IEEE)
+            if not SAVED:
+                xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
+        if not SAVED:
+            acc_g = _mma(xa, wg, acc_g, IEEE)
+            acc_u = _mma(xa, wu, acc_u, IEEE)
         acc_d = _mma(ga, w2t, acc_d, IEEE)
         if HAS_BIAS2 and STORE_DW and not WEIGHT_ON_INPUT:
             b2 = tl.load(b2_ptr + e64 * stride_b2e + kt * BLOCK_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
@@ -155,6 +166,10 @@ def _moe_bwd_act(
         wg_ptrs += BLOCK_K * stride_w1k
         wu_ptrs += BLOCK_K * stride_w1k
         w2_ptrs += BLOCK_K * stride_w2k
+    if SAVED:  # the forward's GEMM1 accumulators
+        pre_ptrs = preact_ptr + slot64[:, None] * stride_pm + offs_n[None, :]
+        acc_g = tl.load(pre_ptrs, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        acc_u = tl.load(pre_ptrs + I, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
 
     w = tl.load(topk_w_ptr + slot64, mask=row_ok, other=0.0).to(tl.float32)
     raw_g = acc_g  # x W1ᵀ before the weight and the bias: d w's factor with the weight on the input
@@ -172,13 +187,15 @@ def _moe_bwd_act(
     a = _activate(acc_g, acc_u, ACTIVATION)
     d_gate, d_up = _activate_backward(acc_g, acc_u, da, ACTIVATION)
 
-    mask = row_ok[:, None] & n_ok[None, :]
-    dh_ptrs = dh_ptr + slot64[:, None] * stride_dhm + offs_n[None, :]
-    tl.store(dh_ptrs, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptrs + I, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+    # dh and the dW2 operand go to the block's own rows (aligned order), zero on padding rows
+    pos64 = offs_m.to(tl.int64)
+    mask = n_ok[None, :]
+    dh_ptrs = dh_ptr + pos64[:, None] * stride_dhm + offs_n[None, :]
+    tl.store(dh_ptrs, tl.where(row_ok[:, None], d_gate, 0.0).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs + I, tl.where(row_ok[:, None], d_up, 0.0).to(dh_ptr.dtype.element_ty), mask=mask)
     if STORE_ACT:
-        a_ptrs = act_ptr + slot64[:, None] * stride_am + offs_n[None, :]
-        tl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
+        a_ptrs = act_ptr + pos64[:, None] * stride_am + offs_n[None, :]
+        tl.store(a_ptrs, tl.where(row_ok[:, None], a, 0.0).to(act_ptr.dtype.element_ty), mask=mask)
     if STORE_DW:
         if WEIGHT_ON_INPUT:
             share = tl.sum(tl.where(n_ok[None, :], d_gate * raw_g + d_up * raw_u, 0.0), 1)
@@ -205,13 +222,26 @@ def _expert_block_ranges(block_expert_ptr, ranges_ptr, max_blocks, SCAN: tl.cons
     tl.store(ranges_ptr + 2 * e + 1, count)
 
 
+#: How :func:`moe_wgrad` addresses an operand's rows: by slot, by token (slot // k), or by position in the aligned
+#: order (a buffer with one row per entry of ``sorted_ids``, its padding rows zero).
+ROW_MODES = {"slot": 0, "token": 1, "sorted": 2}
+
+
+@triton.jit
+def _rows(pos, slot64, top_k, MODE: tl.constexpr):
+    if MODE == 0:
+        return slot64
+    if MODE == 1:
+        return slot64 // top_k
+    return pos.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["n_slots"])
 def _moe_wgrad(
     a_ptr,
     b_ptr,
     out_ptr,
     bias_out_ptr,
-    topk_w_ptr,
     sorted_ptr,
     ranges_ptr,
     n_slots,
@@ -223,41 +253,48 @@ def _moe_wgrad(
     stride_oe,
     stride_on,
     stride_be,
-    A_BY_TOKEN: tl.constexpr,
-    B_BY_TOKEN: tl.constexpr,
-    SCALE: tl.constexpr,  # 0: none, 1: rows of A times w, 2: rows of B times w
+    A_ROWS: tl.constexpr,
+    B_ROWS: tl.constexpr,
     HAS_BIAS_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    STEP_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    first = tl.load(ranges_ptr + 2 * e)
-    count = tl.load(ranges_ptr + 2 * e + 1)
+    # one expert's tiles run together (its rows stay in L2), GROUP_N output rows of tiles sweeping K together
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    e = pid // (num_n * num_k)
+    t = pid % (num_n * num_k)
+    first_n = (t // (GROUP_N * num_k)) * GROUP_N
+    size_n = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (t % (GROUP_N * num_k)) % size_n
+    pid_k = (t % (GROUP_N * num_k)) // size_n
+    begin = tl.load(ranges_ptr + 2 * e) * BLOCK_M
+    end = begin + tl.load(ranges_ptr + 2 * e + 1) * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
+    # both operands in aligned order: the K loop needs no slot ids (padding rows are zero)
+    NEEDS_SLOT: tl.constexpr = A_ROWS != 2 or B_ROWS != 2
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     col = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for b in range(0, count):
-        offs_m = (first + b) * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot = tl.load(sorted_ptr + offs_m)
-        ok = slot < n_slots
-        slot64 = tl.where(ok, slot, 0).to(tl.int64)
-        ra = slot64 // top_k if A_BY_TOKEN else slot64
-        rb = slot64 // top_k if B_BY_TOKEN else slot64
+    for r in range(begin, end, STEP_M):
+        pos = r + tl.arange(0, STEP_M)
+        ok = pos < end
+        slot64 = pos.to(tl.int64)
+        if NEEDS_SLOT:
+            slot = tl.load(sorted_ptr + pos, mask=ok, other=n_slots)
+            ok = slot < n_slots
+            slot64 = tl.where(ok, slot, 0).to(tl.int64)
+        ra = _rows(pos, slot64, top_k, A_ROWS)
+        rb = _rows(pos, slot64, top_k, B_ROWS)
         a = tl.load(a_ptr + ra[:, None] * stride_am + offs_n[None, :], mask=ok[:, None] & n_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALE == 1:
-            w = tl.load(topk_w_ptr + slot64, mask=ok, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * w[:, None]).to(a_ptr.dtype.element_ty)
-        if SCALE == 2:
-            w = tl.load(topk_w_ptr + slot64, mask=ok, other=0.0).to(tl.float32)
-            b = (b.to(tl.float32) * w[:, None]).to(b_ptr.dtype.element_ty)
         acc = _mma(tl.trans(a), b, acc, IEEE)
         if HAS_BIAS_OUT:
             col += tl.sum(a.to(tl.float32), 0)
@@ -266,6 +303,42 @@ def _moe_wgrad(
     if HAS_BIAS_OUT:
         b_ptrs = bias_out_ptr + e.to(tl.int64) * stride_be + offs_n
         tl.store(b_ptrs, col.to(bias_out_ptr.dtype.element_ty), mask=n_ok & (pid_k == 0))
+
+
+@triton.jit(do_not_specialize=["n_slots"])
+def _gather_aligned(
+    src_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    n_slots,
+    H,
+    top_k,
+    stride_sm,
+    stride_om,
+    SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if tl.load(block_expert_ptr + pid_m) < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + offs_m)
+    ok = slot < n_slots
+    slot64 = tl.where(ok, slot, 0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    v = tl.load(src_ptr + (slot64 // top_k)[:, None] * stride_sm + offs_h[None, :], mask=ok[:, None] & h_ok[None, :])
+    if SCALE:
+        v = v.to(tl.float32) * tl.load(topk_w_ptr + slot64, mask=ok, other=0.0).to(tl.float32)[:, None]
+    v = tl.where(ok[:, None], v, 0.0)
+    tl.store(
+        out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_h[None, :],
+        v.to(out_ptr.dtype.element_ty),
+        mask=h_ok[None, :],
+    )
 
 
 @triton.jit
@@ -320,17 +393,22 @@ def moe_bwd_act(
     w2_bias: torch.Tensor | None = None,
     act: torch.Tensor | None = None,
     dw_partial: torch.Tensor | None = None,
+    preact: torch.Tensor | None = None,
     fp32_ieee: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
-    """Write ``dh`` [S, 2I] (and ``act`` [S, I], ``dw_partial`` float32 [bwd_act_tiles(I, block_n), S] when given)
-    for the slots in valid blocks. ``x``, ``grad_out`` [M, H] and the weights share one dtype and are contiguous
-    along their last dimension; ``topk_weights`` is contiguous [M, k]."""
+    """Write the rows of valid blocks of ``dh`` [P, 2I] and ``act`` [P, I] (P >= the length of ``sorted_ids``; row
+    = aligned position, padding rows zero), and ``dw_partial`` float32 [bwd_act_tiles(I, block_n), M*k] (by slot)
+    when given. ``x``, ``grad_out`` [M, H] and the weights share one dtype and are contiguous along their last
+    dimension; ``topk_weights`` is contiguous [M, k]. ``preact`` [M*k, 2I] (row-contiguous, by slot): the forward's
+    saved raw GEMM1 output (:func:`~fusedmoe.ops.grouped_gemm.moe_gemm1`), read instead of recomputing it."""
     E, two_i, H = w1.shape
     I = two_i // 2
     if num_blocks == 0 or I == 0:
         return
+    if dh.shape[0] < sorted_ids.shape[0] or (act is not None and act.shape[0] < sorted_ids.shape[0]):
+        raise ValueError(f"dh and act need a row per aligned position ({sorted_ids.shape[0]})")
     for name, t in (("x", x), ("grad_out", grad_out), ("dh", dh), ("act", act)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dimension")
@@ -352,7 +430,8 @@ def moe_bwd_act(
         dh,
         act if act is not None else dummy,
         dw_partial if dw_partial is not None else dummy,
-        dh.shape[0],
+        preact if preact is not None else dummy,
+        x.shape[0] * top_k,
         I,
         H,
         top_k,
@@ -370,10 +449,12 @@ def moe_bwd_act(
         dh.stride(0),
         act.stride(0) if act is not None else 0,
         dw_partial.stride(0) if dw_partial is not None else 0,
+        preact.stride(0) if preact is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=group_m,
+        SAVED=preact is not None,
         ACTIVATION=ACTIVATION_CODES[activation],
         WEIGHT_ON_INPUT=apply_router_weight_on_input,
         HAS_BIAS1=w1_bias is not None,
@@ -403,38 +484,43 @@ def moe_wgrad(
     sorted_ids: torch.Tensor,
     ranges: torch.Tensor,
     *,
+    n_slots: int,
     top_k: int,
     block_m: int,
-    a_by_token: bool,
-    b_by_token: bool,
-    topk_weights: torch.Tensor | None = None,
-    scale: int = 0,
+    a_rows: str,
+    b_rows: str,
     bias_out: torch.Tensor | None = None,
+    step_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    group_n: int = 8,
     fp32_ieee: bool = False,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """``out[e] = Σ_s a[row(s)]ᵀ b[row(s)]`` [E, N, K] over the slots of each expert (rows by token = slot // k
-    where ``*_by_token``, else by slot), ``scale`` 1 / 2 multiplying a's / b's rows by the slot's weight;
-    ``bias_out[e] = Σ_s a[row(s)]`` [E, N] when given. Writes every element of ``out`` (and ``bias_out``)."""
+    """``out[e] = Σ_s a[row(s)]ᵀ b[row(s)]`` [E, N, K] over the ``n_slots`` slots of each expert, rows addressed
+    per operand as ``ROW_MODES`` says ("slot", "token" = slot // k, "sorted" = the slot's position in
+    ``sorted_ids``, padding rows zero); ``bias_out[e] = Σ_s a[row(s)]`` [E, N] when given. The K loop steps
+    ``step_m`` rows (a power of two; default ``block_m``). Writes every element of ``out`` (and
+    ``bias_out``)."""
     E, N, K = out.shape
     if a.stride(-1) != 1 or b.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("a, b and out must be contiguous along their last dimension")
+    step_m = step_m or block_m
+    if step_m < 16 or step_m & (step_m - 1):
+        raise ValueError(f"step_m must be a power of two >= 16, got {step_m}")
     if E == 0 or N == 0 or K == 0:
         return out
     launch(
         _moe_wgrad,
-        (E, cdiv(N, block_n), cdiv(K, block_k)),
+        (E * cdiv(N, block_n) * cdiv(K, block_k),),
         a,
         b,
         out,
         bias_out if bias_out is not None else out,
-        topk_weights if topk_weights is not None else out,
         sorted_ids,
         ranges,
-        a.shape[0] * (top_k if a_by_token else 1),
+        n_slots,
         N,
         K,
         top_k,
@@ -443,16 +529,57 @@ def moe_wgrad(
         out.stride(0),
         out.stride(1),
         bias_out.stride(0) if bias_out is not None else 0,
-        A_BY_TOKEN=a_by_token,
-        B_BY_TOKEN=b_by_token,
-        SCALE=scale,
+        A_ROWS=ROW_MODES[a_rows],
+        B_ROWS=ROW_MODES[b_rows],
         HAS_BIAS_OUT=bias_out is not None,
         BLOCK_M=block_m,
+        STEP_M=step_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        GROUP_N=group_n,
         IEEE=fp32_ieee and a.dtype == torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
+    )
+    return out
+
+
+def gather_aligned(
+    src: torch.Tensor,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    *,
+    top_k: int,
+    num_blocks: int,
+    block_m: int,
+    topk_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[i] = src[sorted_ids[i] // top_k]`` (times the slot's weight when ``topk_weights`` is given; 0 on
+    padding rows) for the rows of valid blocks: the token rows of ``src`` [M, H] in the aligned order of
+    ``out`` [P, H], so the weight-gradient GEMMs read both operands contiguously."""
+    M, H = src.shape
+    if src.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("src and out must be contiguous along their last dimension")
+    if num_blocks == 0 or H == 0:
+        return out
+    block_h = min(256, next_pow2(H))
+    launch(
+        _gather_aligned,
+        (num_blocks, cdiv(H, block_h)),
+        src,
+        out,
+        topk_weights if topk_weights is not None else src,
+        sorted_ids,
+        block_expert,
+        M * top_k,
+        H,
+        top_k,
+        src.stride(0),
+        out.stride(0),
+        SCALE=topk_weights is not None,
+        BLOCK_M=block_m,
+        BLOCK_H=block_h,
     )
     return out
 
@@ -492,4 +619,4 @@ def moe_dweights(
     return out
 
 
-__all__ = ["bwd_act_tiles", "expert_block_ranges", "moe_bwd_act", "moe_dweights", "moe_wgrad"]
+__all__ = ["bwd_act_tiles", "expert_block_ranges", "gather_aligned", "moe_bwd_act", "moe_dweights", "moe_wgrad"]

@@ -1,6 +1,7 @@
 """Autograd for the MoE layer: one :class:`torch.autograd.Function` around the inference path.
 
-The forward runs exactly what inference runs (same kernels, same workspace); the backward recomputes the expert
+The forward runs exactly what inference runs (same kernels, same workspace; on the Triton backend GEMM1 also
+writes its raw output into a saved tensor unless ``recompute``); the backward reads (or recomputes) the expert
 activations and returns gradients for the hidden states, both weights, the routing weights and the biases
 (those that require grad). ``topk_ids`` and ``expert_map`` are integer inputs and get none; slots of experts
 that are not local to this rank contribute nothing to any gradient. Double backward is not supported.
@@ -54,18 +55,19 @@ _DIFFERENTIABLE = (2, 3, 4, 5, 8, 9)
 
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, settings, x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias):
+    def forward(ctx, forward, settings, x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, preact):
         ctx.settings = settings
-        ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias)
-        return forward()
+        out = forward()  # writes preact, when given
+        ctx.save_for_backward(x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, preact)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
+        x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, preact = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[i] for i in _DIFFERENTIABLE)
         grads = moe_backward(
-            ctx.settings, needs, grad_out, x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias
+            ctx.settings, needs, grad_out, x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, preact
         )
         return (
             None,
@@ -78,6 +80,7 @@ class _MoEFunction(torch.autograd.Function):
             None,
             grads.w1_bias,
             grads.w2_bias,
+            None,
         )
 
 
@@ -93,9 +96,11 @@ def moe_backward(
     expert_map: torch.Tensor | None,
     w1_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
+    preact: torch.Tensor | None = None,
 ) -> MoEGradients:
     """Gradients of one MoE call for ``grad_out`` [M, H]; ``needs`` flags (hidden_states, w1, w2, topk_weights,
-    w1_bias, w2_bias). The Triton backward when ``settings.backend`` is "triton", the torch backward otherwise."""
+    w1_bias, w2_bias). The Triton backward when ``settings.backend`` is "triton" (reading the forward's saved
+    raw GEMM1 output ``preact`` [M*k, 2I] when given, else recomputing it), the torch backward otherwise."""
     s = settings
     if s.backend == "triton":
         from .triton_backward import BackwardInputs
@@ -107,6 +112,7 @@ def moe_backward(
             expert_map,
             *(_rows(t) for t in (w1_bias, w2_bias)),
             grad_out.contiguous(),
+            preact,
         )
         return _triton_backward()(inputs, s.problem, needs, s.manager, s.owner)
     return moe_backward_torch(
@@ -142,11 +148,13 @@ def differentiable_moe(
     expert_map: torch.Tensor | None = None,
     w1_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    preact: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``forward()`` (the inference call on exactly these tensors, returning a fresh [M, H]) made differentiable
-    in ``hidden_states``, ``w1``, ``w2``, ``topk_weights`` and the biases."""
+    in ``hidden_states``, ``w1``, ``w2``, ``topk_weights`` and the biases. ``preact``: a tensor ``forward()``
+    fills with GEMM1's raw output, saved for the (Triton) backward."""
     return _MoEFunction.apply(
-        forward, settings, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias
+        forward, settings, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, preact
     )
 
 

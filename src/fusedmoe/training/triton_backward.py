@@ -1,10 +1,16 @@
 """The MoE layer's backward with the Triton kernels of :mod:`fusedmoe.ops.moe_backward`, as a planned program.
 
 Steps (each a :func:`~fusedmoe.steps.step`; the buffers it names are its scratch, lifetimes derived by the plan):
-``align`` (the forward's alignment, recomputed: a few µs), ``bwd_act`` (recomputed GEMM1 + ``g W2`` + the
-activation's backward -> ``dh``, ``act``, ``dw_partial``), ``dw2`` (``dW2``, ``db2``), ``dweights`` (the routing
-weights' gradient), ``dx_slots`` (``dh W1`` per slot, the forward's GEMM2 kernel on W1's transpose), ``dx`` (the
-forward's top-k reduce), ``dw1`` (``dW1``, ``db1``). Steps whose gradients nobody asked for are left out.
+``align`` (the forward's alignment, recomputed: a few µs), ``bwd_act`` (GEMM1's output, saved by the forward or
+recomputed, + ``g W2`` + the activation's backward -> ``dh``, ``act`` in the aligned order, ``dw_partial``),
+``gather_dy`` + ``dw2`` (``w g`` gathered into the aligned order, then ``dW2``, ``db2``), ``dweights`` (the
+routing weights' gradient), ``dx_slots`` (``dh W1`` per slot, the forward's GEMM2 kernel on W1's transpose),
+``dx`` (the forward's top-k reduce), ``gather_x`` + ``dw1`` (``x`` gathered, then ``dW1``, ``db1``). Steps whose
+gradients nobody asked for are left out.
+
+Both weight-gradient GEMMs read their operands as contiguous rows of the aligned order: on the H200 that ran
+at ~520 TFLOP/s against ~225 with x's rows gathered by token inside the K loop (``scripts/wgrad_probe.py``,
+mixtral M=4096, BENCHMARKS.md).
 
 Scratch comes from the same :class:`~fusedmoe.workspace.manager.WorkspaceManager` as the forward (so it is
 shared across layers, poison-checked and counted in ``WorkspaceStats``); the gradients are fresh tensors whose
@@ -22,7 +28,14 @@ from ..ops.align import AlignParams, align_params
 from ..ops.configs import GemmConfig
 from ..ops.expert_gemm import Numerics
 from ..ops.grouped_gemm import grid_blocks, moe_gemm2
-from ..ops.moe_backward import bwd_act_tiles, expert_block_ranges, moe_bwd_act, moe_dweights, moe_wgrad
+from ..ops.moe_backward import (
+    bwd_act_tiles,
+    expert_block_ranges,
+    gather_aligned,
+    moe_bwd_act,
+    moe_dweights,
+    moe_wgrad,
+)
 from ..ops.reduce import moe_reduce
 from ..problem import MoEProblem, hash_once
 from ..steps import Call, Program, step
@@ -44,6 +57,7 @@ class BackwardInputs:
     w1_bias: torch.Tensor | None
     w2_bias: torch.Tensor | None
     grad_out: torch.Tensor
+    preact: torch.Tensor | None = None  # the forward's raw GEMM1 output [M*k, 2I] by slot, or None: recompute
 
 
 @dataclass(frozen=True)
@@ -59,14 +73,14 @@ class Tiles:
 @dataclass(frozen=True)
 class BackwardLaunch:
     """Tile choices of one backward call and which gradients it computes (hidden_states, w1, w2, topk_weights,
-    w1_bias, w2_bias). ``block_m`` is the alignment's block: the M tile of ``bwd_act`` and ``dx_slots`` and the K
-    step of the weight-gradient GEMMs."""
+    w1_bias, w2_bias). ``block_m`` is the alignment's block: the M tile of ``bwd_act`` and ``dx_slots``."""
 
     block_m: int
     align: AlignParams
     num_blocks: int
     act: Tiles  # BLOCK_N over I, BLOCK_K over H
     wgrad: Tiles  # BLOCK_N, BLOCK_K of the [N, K] output tile
+    wgrad_step: int  # rows per K step of the weight-gradient GEMMs (a power of two)
     dx: GemmConfig
     ieee: bool
     needs: tuple[bool, bool, bool, bool, bool, bool]
@@ -86,18 +100,20 @@ _PINNED: dict[str, object] = {}
 
 
 def pin_backward_tiles(**tiles) -> None:
-    """Pin ``block_m`` (int), ``act`` / ``wgrad`` (:class:`Tiles`) or ``dx`` (GemmConfig) for later calls;
-    no arguments unpins all. For tuning sweeps."""
+    """Pin ``block_m`` / ``wgrad_step`` (int), ``act`` / ``wgrad`` (:class:`Tiles`) or ``dx`` (GemmConfig) for
+    later calls; no arguments unpins all. For tuning sweeps."""
     if not tiles:
         _PINNED.clear()
     _PINNED.update(tiles)
 
 
-def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False) -> BackwardLaunch:
+def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False, saved: bool = False) -> BackwardLaunch:
     """Tiles by rows per expert, from the H200 sweep of ``scripts/train_tune.py`` (BENCHMARKS.md, training), clamped
-    to the problem's widths."""
+    to the problem's widths. ``saved``: the forward saved GEMM1's output (``bwd_act`` keeps one accumulator)."""
     rows = p.slots / max(p.E, 1)
-    block_m = _PINNED.get("block_m") or (16 if rows <= 16 else 32 if rows <= 64 else 64)
+    block_m = _PINNED.get("block_m") or (16 if rows <= 16 else 32 if rows <= 64 else 64 if rows <= 512 else 128)
+    if block_m == 128 and not saved and "block_m" not in _PINNED:
+        block_m = 64  # three 128-row accumulators in the recomputing bwd_act: not measured to pay
     ap = align_params(p.slots, p.E, block_m)
     wide_n, wide_k = max(p.H, 2 * p.I), max(p.H, p.I)  # the weight gradients' output widths
     if rows > 256:
@@ -109,13 +125,16 @@ def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False) 
     else:
         wgrad = Tiles(_pow2_between(wide_n, 16, 64), _pow2_between(wide_k, 16, 64), 4, 3)
         dx = GemmConfig(block_m, _pow2_between(p.H, 16, 128), _pow2_between(2 * p.I, 16, 64), 8, 4, 3)
-    act = Tiles(_pow2_between(p.I, 16, 64), _pow2_between(p.H, 16, 64), 8 if rows > 64 else 4, 3)
+    act_n = 128 if saved and rows > 64 else 64
+    act_stages = 4 if saved and rows > 64 else 3
+    act = Tiles(_pow2_between(p.I, 16, act_n), _pow2_between(p.H, 16, 64), 8 if rows > 64 else 4, act_stages)
     act, wgrad = _PINNED.get("act") or act, _PINNED.get("wgrad") or wgrad
     dx = _PINNED.get("dx") or dx
+    step = _PINNED.get("wgrad_step") or min(block_m, 64)  # 128-row steps of 128x256 tiles overflow shared memory
     if dx.block_m != block_m:
         dx = GemmConfig(block_m, dx.block_n, dx.block_k, dx.group_m, dx.num_warps, dx.num_stages)
     return BackwardLaunch(
-        block_m, ap, grid_blocks(p.slots, ap.max_blocks), act, wgrad, dx, ieee, tuple(map(bool, needs))
+        block_m, ap, grid_blocks(p.slots, ap.max_blocks), act, wgrad, step, dx, ieee, tuple(map(bool, needs))
     )
 
 
@@ -156,13 +175,29 @@ def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
         w2_bias=x.w2_bias,
         act=act,
         dw_partial=dw_partial,
+        preact=x.preact,
         fp32_ieee=L.ieee,
         num_warps=L.act.num_warps,
         num_stages=L.act.num_stages,
     )
 
 
-def _wgrad(c, a, b, out, bias_out, sorted_ids, expert_ranges, *, a_by_token, b_by_token, scale):
+def _gather(c, src, out, sorted_ids, block_expert, weighted):
+    L = c.launch
+    gather_aligned(
+        src,
+        out,
+        sorted_ids,
+        block_expert,
+        top_k=c.p.top_k,
+        num_blocks=L.num_blocks,
+        block_m=L.block_m,
+        topk_weights=c.x.topk_weights if weighted else None,
+    )
+
+
+def _wgrad(c, a, b, out, bias_out, sorted_ids, expert_ranges):
+    """``out[e] = Σ aᵀ b`` over expert e's rows, both operands in the aligned order."""
     L = c.launch
     moe_wgrad(
         a,
@@ -170,13 +205,13 @@ def _wgrad(c, a, b, out, bias_out, sorted_ids, expert_ranges, *, a_by_token, b_b
         out,
         sorted_ids,
         expert_ranges,
+        n_slots=c.p.slots,
         top_k=c.p.top_k,
         block_m=L.block_m,
-        a_by_token=a_by_token,
-        b_by_token=b_by_token,
-        topk_weights=c.x.topk_weights,
-        scale=scale,
+        a_rows="sorted",
+        b_rows="sorted",
         bias_out=bias_out,
+        step_m=L.wgrad_step,
         block_n=L.wgrad.block_n,
         block_k=L.wgrad.block_k,
         fp32_ieee=L.ieee,
@@ -186,21 +221,14 @@ def _wgrad(c, a, b, out, bias_out, sorted_ids, expert_ranges, *, a_by_token, b_b
 
 
 @step
-def _dw2(c, sorted_ids, expert_ranges, act):
-    g = c.out
-    scale = 0 if c.p.apply_router_weight_on_input else 1  # dy = w g
-    _wgrad(
-        c,
-        c.x.grad_out,
-        act,
-        g["w2"],
-        g.get("w2_bias"),
-        sorted_ids,
-        expert_ranges,
-        a_by_token=True,
-        b_by_token=False,
-        scale=scale,
-    )
+def _gather_dy(c, sorted_ids, block_expert, dy_sorted):
+    # GEMM2's output gradient per slot: w g (g alone with the weight on the input)
+    _gather(c, c.x.grad_out, dy_sorted, sorted_ids, block_expert, not c.p.apply_router_weight_on_input)
+
+
+@step
+def _dw2(c, sorted_ids, expert_ranges, dy_sorted, act):
+    _wgrad(c, dy_sorted, act, c.out["w2"], c.out.get("w2_bias"), sorted_ids, expert_ranges)
 
 
 @step
@@ -224,6 +252,7 @@ def _dx_slots(c, sorted_ids, block_expert, dh, dx_slots):
         config=L.dx,
         topk_weights=x.topk_weights if c.p.apply_router_weight_on_input else None,
         numerics=Numerics(fp32_ieee=L.ieee),
+        a_sorted=True,
     )
 
 
@@ -234,21 +263,14 @@ def _dx(c, dx_slots):
 
 
 @step
-def _dw1(c, sorted_ids, expert_ranges, dh):
-    g = c.out
-    scale = 2 if c.p.apply_router_weight_on_input else 0  # the GEMM1 input was w x
-    _wgrad(
-        c,
-        dh,
-        c.x.hidden_states,
-        g["w1"],
-        g.get("w1_bias"),
-        sorted_ids,
-        expert_ranges,
-        a_by_token=False,
-        b_by_token=True,
-        scale=scale,
-    )
+def _gather_x(c, sorted_ids, block_expert, x_sorted):
+    # GEMM1's input per slot: x (w x with the weight on the input)
+    _gather(c, c.x.hidden_states, x_sorted, sorted_ids, block_expert, c.p.apply_router_weight_on_input)
+
+
+@step
+def _dw1(c, sorted_ids, expert_ranges, dh, x_sorted):
+    _wgrad(c, dh, x_sorted, c.out["w1"], c.out.get("w1_bias"), sorted_ids, expert_ranges)
 
 
 def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
@@ -260,7 +282,7 @@ def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
         BufferSpec("sorted_ids", (ap.max_padded,), i32),
         BufferSpec("block_expert", (ap.max_blocks,), i32),
         BufferSpec("num_padded", (1,), i32),
-        BufferSpec("dh", (S, 2 * I), dt),
+        BufferSpec("dh", (ap.max_padded, 2 * I), dt),  # aligned order
     ]
     if not ap.fused:
         buffers.append(BufferSpec("align_partial", ap.partial_shape, i32))
@@ -269,8 +291,9 @@ def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
         buffers.append(BufferSpec("expert_ranges", (p.E, 2), i32))
         steps.insert(1, _ranges)
     if need_w2 or need_b2:
-        buffers.append(BufferSpec("act", (S, I), dt))
-        steps.append(_dw2)
+        buffers.append(BufferSpec("act", (ap.max_padded, I), dt))
+        buffers.append(BufferSpec("dy_sorted", (ap.max_padded, H), dt))
+        steps += [_gather_dy, _dw2]
     if need_w:
         buffers.append(BufferSpec("dw_partial", (bwd_act_tiles(I, L.act.block_n), S), torch.float32))
         steps.append(_dweights)
@@ -278,7 +301,8 @@ def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
         buffers.append(BufferSpec("dx_slots", (S, H), dt))
         steps += [_dx_slots, _dx]
     if need_w1 or need_b1:
-        steps.append(_dw1)
+        buffers.append(BufferSpec("x_sorted", (ap.max_padded, H), dt))
+        steps += [_gather_x, _dw1]
     return Program([], steps, [], buffers)
 
 
@@ -318,7 +342,7 @@ class TritonBackward:
         }
         if p.M > 0:
             ieee = p.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-            L = backward_launch(p, needs, ieee)
+            L = backward_launch(p, needs, ieee, saved=x.preact is not None)
             prog = self.program(p, L)
             ws = manager.acquire(prog.plan, owner)
             prog.run(1, Call(p, L, x, out), ws.views, ws.arena if manager.poison else None)
