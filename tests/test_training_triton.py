@@ -290,3 +290,35 @@ def test_weight_gradient_steps(device, dtype, pins):
         _compare(device, dtype, 37, 3, 2, 40, 24, bias=True, on_input=True)
     finally:
         pin_backward_tiles()
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_saved_output_under_checkpointing_and_expert_map(device, dtype):
+    """With the forward's saved GEMM1 output (poisoned where the forward writes nothing: non-local slots) the
+    Triton backward gives the torch backend's gradients, also when activation checkpointing reruns the forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fusedmoe import fused_moe
+
+    expert_map = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32, device=device)
+    x, w1, w2, tw, _, b1, b2, g = _case(13, 4, 2, 32, 16, dtype=dtype, device=device, bias=True)
+    ids = torch.randint(0, 6, (13, 2), generator=torch.Generator().manual_seed(5)).to(device, torch.int32)
+    manager = WorkspaceManager(device, poison=True)
+
+    def grads(backend, wrap):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, tw, b1, b2)]
+
+        def layer(*ts):
+            return fused_moe(
+                *ts[:4], ids, w1_bias=ts[4], w2_bias=ts[5], expert_map=expert_map, backend=backend, workspace=manager
+            )
+
+        out = checkpoint(layer, *leaves, use_reentrant=False) if wrap else layer(*leaves)
+        return torch.autograd.grad(out, leaves, g)
+
+    want = grads("torch" if device == "cpu" else "triton", False)
+    for wrap in (False, True):
+        for a, b in zip(grads("triton", wrap), want):
+            assert torch.isfinite(a).all()
+            err = (a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)
+            assert err < tolerance(dtype), err

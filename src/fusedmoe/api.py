@@ -239,6 +239,8 @@ def _differentiable(
     preact = None
     if backend == "triton" and not recompute and p.quant is None and p.M > 0:
         preact = torch.empty((p.slots, 2 * p.I), dtype=p.dtype, device=x.hidden_states.device)
+        if manager.poison:  # rows of non-local slots stay unwritten: prove the backward never reads them
+            preact.fill_(float("nan"))
     run = x if preact is None else dataclasses.replace(x, preact=preact)
 
     def forward() -> torch.Tensor:
