@@ -101,6 +101,7 @@ def _moe_bwd_act(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SAVED: tl.constexpr,
+    ACT_ONLY: tl.constexpr,  # SAVED only: store the activation and nothing else (no K loop)
     ACTIVATION: tl.constexpr,
     WEIGHT_ON_INPUT: tl.constexpr,
     HAS_BIAS1: tl.constexpr,
@@ -137,7 +138,7 @@ def _moe_bwd_act(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_d = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     g_b2 = tl.zeros([BLOCK_M], dtype=tl.float32)  # <g[t], b2[e]>, the bias share of d w
-    for kt in range(0, tl.cdiv(H, BLOCK_K)):
+    for kt in range(0, 0 if ACT_ONLY else tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             k_ok = offs_k < BLOCK_K
             ga = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0)
@@ -185,17 +186,18 @@ def _moe_bwd_act(
         acc_g += tl.load(b_base + offs_nw).to(tl.float32)[None, :]
         acc_u += tl.load(b_base + offs_nw + I).to(tl.float32)[None, :]
     a = _activate(acc_g, acc_u, ACTIVATION)
-    d_gate, d_up = _activate_backward(acc_g, acc_u, da, ACTIVATION)
-
-    # dh and the dW2 operand go to the block's own rows (aligned order), zero on padding rows
+    # dh and the activation go to the block's own rows (aligned order), zero on padding rows
     pos64 = offs_m.to(tl.int64)
     mask = n_ok[None, :]
-    dh_ptrs = dh_ptr + pos64[:, None] * stride_dhm + offs_n[None, :]
-    tl.store(dh_ptrs, tl.where(row_ok[:, None], d_gate, 0.0).to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh_ptrs + I, tl.where(row_ok[:, None], d_up, 0.0).to(dh_ptr.dtype.element_ty), mask=mask)
     if STORE_ACT:
         a_ptrs = act_ptr + pos64[:, None] * stride_am + offs_n[None, :]
         tl.store(a_ptrs, tl.where(row_ok[:, None], a, 0.0).to(act_ptr.dtype.element_ty), mask=mask)
+    if ACT_ONLY:
+        return
+    d_gate, d_up = _activate_backward(acc_g, acc_u, da, ACTIVATION)
+    dh_ptrs = dh_ptr + pos64[:, None] * stride_dhm + offs_n[None, :]
+    tl.store(dh_ptrs, tl.where(row_ok[:, None], d_gate, 0.0).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptrs + I, tl.where(row_ok[:, None], d_up, 0.0).to(dh_ptr.dtype.element_ty), mask=mask)
     if STORE_DW:
         if WEIGHT_ON_INPUT:
             share = tl.sum(tl.where(n_ok[None, :], d_gate * raw_g + d_up * raw_u, 0.0), 1)
@@ -379,7 +381,7 @@ def moe_bwd_act(
     topk_weights: torch.Tensor,
     sorted_ids: torch.Tensor,
     block_expert: torch.Tensor,
-    dh: torch.Tensor,
+    dh: torch.Tensor | None,
     *,
     top_k: int,
     num_blocks: int,
@@ -402,19 +404,23 @@ def moe_bwd_act(
     = aligned position, padding rows zero), and ``dw_partial`` float32 [bwd_act_tiles(I, block_n), M*k] (by slot)
     when given. ``x``, ``grad_out`` [M, H] and the weights share one dtype and are contiguous along their last
     dimension; ``topk_weights`` is contiguous [M, k]. ``preact`` [M*k, 2I] (row-contiguous, by slot): the forward's
-    saved raw GEMM1 output (:func:`~fusedmoe.ops.grouped_gemm.moe_gemm1`), read instead of recomputing it."""
+    saved raw GEMM1 output (:func:`~fusedmoe.ops.grouped_gemm.moe_gemm1`), read instead of recomputing it.
+    ``dh=None`` (with ``preact`` and ``act``): only the activation, from the saved output (no GEMM)."""
     E, two_i, H = w1.shape
     I = two_i // 2
     if num_blocks == 0 or I == 0:
         return
-    if dh.shape[0] < sorted_ids.shape[0] or (act is not None and act.shape[0] < sorted_ids.shape[0]):
-        raise ValueError(f"dh and act need a row per aligned position ({sorted_ids.shape[0]})")
+    if dh is None and (preact is None or act is None or dw_partial is not None):
+        raise ValueError("dh=None writes only the activation: it needs preact and act, and no dw_partial")
+    rows = sorted_ids.shape[0]
+    if (dh is not None and dh.shape[0] < rows) or (act is not None and act.shape[0] < rows):
+        raise ValueError(f"dh and act need a row per aligned position ({rows})")
     for name, t in (("x", x), ("grad_out", grad_out), ("dh", dh), ("act", act)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dimension")
     if w2.stride(2) != 1 or w1.stride(2) != 1:
         raise ValueError("w1 and w2 must be contiguous along their last dimension")
-    dummy = dh
+    dummy = dh if dh is not None else act
     launch(
         _moe_bwd_act,
         (num_blocks * cdiv(I, block_n),),
@@ -427,7 +433,7 @@ def moe_bwd_act(
         topk_weights,
         sorted_ids,
         block_expert,
-        dh,
+        dummy if dh is None else dh,
         act if act is not None else dummy,
         dw_partial if dw_partial is not None else dummy,
         preact if preact is not None else dummy,
@@ -446,7 +452,7 @@ def moe_bwd_act(
         w2.stride(2),
         w1_bias.stride(0) if w1_bias is not None else 0,
         w2_bias.stride(0) if w2_bias is not None else 0,
-        dh.stride(0),
+        dummy.stride(0) if dh is None else dh.stride(0),
         act.stride(0) if act is not None else 0,
         dw_partial.stride(0) if dw_partial is not None else 0,
         preact.stride(0) if preact is not None else 0,
@@ -455,6 +461,7 @@ def moe_bwd_act(
         BLOCK_K=block_k,
         GROUP_M=group_m,
         SAVED=preact is not None,
+        ACT_ONLY=dh is None,
         ACTIVATION=ACTIVATION_CODES[activation],
         WEIGHT_ON_INPUT=apply_router_weight_on_input,
         HAS_BIAS1=w1_bias is not None,

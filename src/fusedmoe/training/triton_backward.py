@@ -1,12 +1,14 @@
 """The MoE layer's backward with the Triton kernels of :mod:`fusedmoe.ops.moe_backward`, as a planned program.
 
 Steps (each a :func:`~fusedmoe.steps.step`; the buffers it names are its scratch, lifetimes derived by the plan):
-``align`` (the forward's alignment, recomputed: a few µs), ``bwd_act`` (GEMM1's output, saved by the forward or
-recomputed, + ``g W2`` + the activation's backward -> ``dh``, ``act`` in the aligned order, ``dw_partial``),
-``gather_dy`` + ``dw2`` (``w g`` gathered into the aligned order, then ``dW2``, ``db2``), ``dweights`` (the
-routing weights' gradient), ``dx_slots`` (``dh W1`` per slot, the forward's GEMM2 kernel on W1's transpose),
-``dx`` (the forward's top-k reduce), ``gather_x`` + ``dw1`` (``x`` gathered, then ``dW1``, ``db1``). Steps whose
-gradients nobody asked for are left out.
+``align`` (the forward's alignment, recomputed: a few µs), ``bwd_act`` (GEMM1's output recomputed + ``g W2`` +
+the activation's backward -> ``dh``, ``act`` in the aligned order, ``dw_partial``), ``gather_dy`` + ``dw2``
+(``w g`` gathered into the aligned order, then ``dW2``, ``db2``), ``dweights`` (the routing weights' gradient),
+``dx_slots`` (``dh W1`` per slot, the forward's GEMM2 kernel on W1's transpose), ``dx`` (the forward's top-k
+reduce), ``gather_x`` + ``dw1`` (``x`` gathered, then ``dW1``, ``db1``). With the forward's saved GEMM1 output the
+order starts ``act_saved`` (the activation from it), ``gather_dy``, ``dw2``, then ``bwd_act_saved`` (``g W2`` +
+the activation's backward -> ``dh``), so the activation and ``w g`` are dead before ``dh`` exists: the plan's
+peak is then ``dh`` plus one [P, H] operand. Steps whose gradients nobody asked for are left out.
 
 Both weight-gradient GEMMs read their operands as contiguous rows of the aligned order: on the H200 that ran
 at ~520 TFLOP/s against ~225 with x's rows gathered by token inside the K loop (``scripts/wgrad_probe.py``,
@@ -81,6 +83,7 @@ class BackwardLaunch:
     act: Tiles  # BLOCK_N over I, BLOCK_K over H
     wgrad: Tiles  # BLOCK_N, BLOCK_K of the [N, K] output tile
     wgrad_step: int  # rows per K step of the weight-gradient GEMMs (a power of two)
+    saved: bool  # the forward saved GEMM1's output (the program computes dW2 before dh)
     dx: GemmConfig
     ieee: bool
     needs: tuple[bool, bool, bool, bool, bool, bool]
@@ -134,7 +137,16 @@ def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False, 
     if dx.block_m != block_m:
         dx = GemmConfig(block_m, dx.block_n, dx.block_k, dx.group_m, dx.num_warps, dx.num_stages)
     return BackwardLaunch(
-        block_m, ap, grid_blocks(p.slots, ap.max_blocks), act, wgrad, step, dx, ieee, tuple(map(bool, needs))
+        block_m,
+        ap,
+        grid_blocks(p.slots, ap.max_blocks),
+        act,
+        wgrad,
+        step,
+        saved,
+        dx,
+        ieee,
+        tuple(map(bool, needs)),
     )
 
 
@@ -152,8 +164,7 @@ def _ranges(c, block_expert, expert_ranges):
     expert_block_ranges(block_expert, expert_ranges)
 
 
-@step
-def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
+def _act_kernel(c, sorted_ids, block_expert, dh, act, dw_partial):
     x, p, L = c.x, c.p, c.launch
     moe_bwd_act(
         x.hidden_states,
@@ -180,6 +191,22 @@ def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
         num_warps=L.act.num_warps,
         num_stages=L.act.num_stages,
     )
+
+
+@step
+def _bwd_act(c, sorted_ids, block_expert, dh, act=None, dw_partial=None):
+    _act_kernel(c, sorted_ids, block_expert, dh, act, dw_partial)
+
+
+@step
+def _act_saved(c, sorted_ids, block_expert, act):
+    # the activation from the forward's saved GEMM1 output, before dh exists (dW2 runs first)
+    _act_kernel(c, sorted_ids, block_expert, None, act, None)
+
+
+@step
+def _bwd_act_saved(c, sorted_ids, block_expert, dh, dw_partial=None):
+    _act_kernel(c, sorted_ids, block_expert, dh, None, dw_partial)
 
 
 def _gather(c, src, out, sorted_ids, block_expert, weighted):
@@ -286,14 +313,19 @@ def backward_program(p: MoEProblem, L: BackwardLaunch) -> Program:
     ]
     if not ap.fused:
         buffers.append(BufferSpec("align_partial", ap.partial_shape, i32))
-    steps = [_align, _bwd_act]
+    steps = [_align]
     if need_w1 or need_w2 or need_b1 or need_b2:
         buffers.append(BufferSpec("expert_ranges", (p.E, 2), i32))
-        steps.insert(1, _ranges)
+        steps.append(_ranges)
+    dw2 = []
     if need_w2 or need_b2:
         buffers.append(BufferSpec("act", (ap.max_padded, I), dt))
         buffers.append(BufferSpec("dy_sorted", (ap.max_padded, H), dt))
-        steps += [_gather_dy, _dw2]
+        dw2 = [_gather_dy, _dw2]
+    if L.saved:  # dW2 first, from the saved output's activation: act and w·g are freed before dh is written
+        steps += ([_act_saved] + dw2 if dw2 else []) + [_bwd_act_saved]
+    else:
+        steps += [_bwd_act] + dw2
     if need_w:
         buffers.append(BufferSpec("dw_partial", (bwd_act_tiles(I, L.act.block_n), S), torch.float32))
         steps.append(_dweights)
