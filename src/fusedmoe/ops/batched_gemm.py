@@ -22,7 +22,17 @@ import triton.language as tl
 
 from ._util import cdiv
 from .configs import GemmConfig
-from .expert_gemm import Numerics, check_operands, columns, epilogue, k_loop, scale_ptrs, scale_strides, tile_meta
+from .expert_gemm import (
+    Numerics,
+    check_operands,
+    columns,
+    epilogue,
+    k_loop,
+    scale_ptrs,
+    scale_strides,
+    tile_meta,
+    weight_k,
+)
 from .launcher import launch
 
 
@@ -104,7 +114,7 @@ def _launch(a, w, out, counts, N, config, activation, num: Numerics):
         raise TypeError("expert_num_tokens must be int32 [E]")
     E, T, K = a.shape
     w_rows = 2 * N if activation is not None else N
-    if E != w.shape[0] or w.shape[1:] != (w_rows, K) or out.shape != (E, T, N):
+    if E != w.shape[0] or (w.shape[1], weight_k(w, num)) != (w_rows, K) or out.shape != (E, T, N):
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
     if E == 0 or T == 0 or N == 0:
         return out

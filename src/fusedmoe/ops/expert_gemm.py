@@ -34,7 +34,9 @@ import triton.language as tl
 
 from .configs import GemmConfig
 
-QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3}
+QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
+#: Weight elements per e8m0 scale of MXFP4 (OCP Microscaling).
+MXFP4_GROUP = 32
 #: Gated activations of GEMM1's epilogue (``_activate``).
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}
 # gpt-oss's clamped SwiGLU (fusedmoe.problem.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)
@@ -87,7 +89,85 @@ def k_loop(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """The K loop of one tile of ``expert``: ``(acc_g, acc_u)``, fp32 [BLOCK_M, BLOCK_N] (the lengths of ``rows``
+    """The K loop of one tile: :func:`_k_loop_mxfp4` for MXFP4 weights (QUANT 4), else :func:`_k_loop_dense`."""
+    if QUANT == 4:
+        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE)
+    else:
+        acc_g, acc_u = _k_loop_dense(
+            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K
+        )
+    return acc_g, acc_u
+
+
+@triton.jit
+def _e2m1(code):
+    """float32 value of e2m1 codes (uint8 in [0, 16)): sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
+    e = ((code >> 1) & 3).to(tl.float32)
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0.0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e - 1.0))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`k_loop` for MXFP4 weights (w4a16): ``w_ptr`` holds bytes [N(, 2N), K / 2], byte ``j`` of a row
+    packing elements ``2j`` (low nibble) and ``2j + 1`` (high nibble); ``w_scale_ptr`` holds e8m0 bytes
+    [N(, 2N), K / 32] (value ``2^(s - 127)``; strides ``stride_wse/wsn/wsk`` of ``scales``). Each K tile decodes
+    its weight bytes in registers into the activation dtype and runs two dots: the even K columns of ``a`` against
+    the low nibbles, the odd ones against the high nibbles. BLOCK_K and K are multiples of 32."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_j = tl.arange(0, HALF)  # byte columns of the tile
+    a_even = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + (2 * offs_j)[None, :] * stride_ak
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_j[:, None] * stride_wk
+    gs_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + offs_nw[None, :] * stride_wsn
+    gs_ptrs += (offs_j // 16)[:, None] * stride_wsk  # one scale per 16 bytes (32 elements)
+    acc_g = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    acc_u = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        j_ok = offs_j < (K - kt * BLOCK_K) // 2
+        a_e = tl.load(a_even, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+        a_o = tl.load(a_even + stride_ak, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+        acc_g = _mxfp4_dots(a_e, a_o, g_ptrs, gs_ptrs, j_ok, acc_g, IEEE)
+        if GATED:
+            acc_u = _mxfp4_dots(a_e, a_o, g_ptrs + N * stride_wn, gs_ptrs + N * stride_wsn, j_ok, acc_u, IEEE)
+        a_even += BLOCK_K * stride_ak
+        g_ptrs += HALF * stride_wk
+        gs_ptrs += (HALF // 16) * stride_wsk
+    return acc_g, acc_u
+
+
+@triton.jit
+def _mxfp4_dots(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr):
+    """``acc + a_e @ lo + a_o @ hi`` for the weight bytes at ``w_ptrs`` [BLOCK_K / 2, BLOCK_N] decoded with the
+    e8m0 scales at ``s_ptrs``; bytes past K (``j_ok``) decode to 0."""
+    b = tl.load(w_ptrs, mask=j_ok[:, None], other=0)
+    scale = tl.exp2(tl.load(s_ptrs, mask=j_ok[:, None], other=127).to(tl.float32) - 127.0)
+    lo = (_e2m1(b & 15) * scale).to(a_e.dtype)
+    hi = (_e2m1(b >> 4) * scale).to(a_e.dtype)
+    acc = _mma(a_e, lo, acc, IEEE)
+    return _mma(a_o, hi, acc, IEEE)
+
+
+@triton.jit
+def _k_loop_dense(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The K loop of one tile of ``expert`` with dense (or fp8) weights: ``(acc_g, acc_u)``, fp32 [BLOCK_M,
+    BLOCK_N] (the lengths of ``rows``
     and ``offs_nw``), scaled back from fp8 by ``QUANT``.
 
     Operands (tuples of runtime values; ``*_e`` strides step from one expert to the next):
@@ -237,11 +317,26 @@ class Numerics(NamedTuple):
 
 
 def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: GemmConfig) -> None:
-    """The dtype and scale rules of every expert GEMM: a known mode; quantized: both scales given and e4m3
-    operands; else one dtype; fp8_block: BLOCK_K divides the K scale group."""
+    """The dtype and scale rules of every expert GEMM: a known mode; fp8: both scales given and e4m3 operands;
+    mxfp4: float activations, uint8 weights and e8m0 (uint8) weight scales [E, N, K / 32], BLOCK_K a multiple of
+    32; else one dtype; fp8_block: BLOCK_K divides the K scale group."""
     mode = num.mode
     if mode not in QUANT_CODES:
         raise ValueError(f"unknown quant_mode {mode!r}")
+    if mode == "mxfp4":
+        if w.dtype != torch.uint8 or num.w_scale is None or num.w_scale.dtype != torch.uint8:
+            raise TypeError("mxfp4: weights and w_scale must be uint8 (packed e2m1 pairs, e8m0 exponents)")
+        if num.a_scale is not None or not a.dtype.is_floating_point or a.dtype == torch.float8_e4m3fn:
+            raise TypeError(f"mxfp4 takes unquantized activations (bf16/fp16/fp32) and no a_scale, got {a.dtype}")
+        K = weight_k(w, num)
+        if tuple(num.w_scale.shape) != (*w.shape[:-1], K // MXFP4_GROUP) or K % MXFP4_GROUP:
+            raise ValueError(
+                f"mxfp4: w_scale must be {[*w.shape[:-1], K // MXFP4_GROUP]} for weights {list(w.shape)} "
+                f"(K = {K}, a multiple of {MXFP4_GROUP}), got {list(num.w_scale.shape)}"
+            )
+        if config.block_k % MXFP4_GROUP:
+            raise ValueError(f"mxfp4: BLOCK_K must be a multiple of {MXFP4_GROUP}, got {config.block_k}")
+        return
     if mode is not None:
         if num.a_scale is None or num.w_scale is None:
             raise ValueError(f"{mode} needs a_scale and w_scale")
@@ -252,6 +347,12 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: Gemm
     gk = num.block_shape[1]
     if mode == "fp8_block" and gk % config.block_k:
         raise ValueError(f"fp8_block: BLOCK_K {config.block_k} must divide the scale group {gk}")
+
+
+def weight_k(w: torch.Tensor, num: Numerics) -> int:
+    """The reduction length of expert weights ``w`` [..., N, K] (MXFP4 packs two elements per byte: 2 x the last
+    dimension)."""
+    return w.shape[-1] * (2 if num.mode == "mxfp4" else 1)
 
 
 def scale_ptrs(num: Numerics, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,6 +369,8 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
         return 0, 0, w_scale.stride(0), 0, 0
     if num.mode == "fp8_token":
         return a_scale.stride(0), 0, w_scale.stride(0), w_scale.stride(1), 0
+    if num.mode == "mxfp4":
+        return 0, 0, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
     return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
 

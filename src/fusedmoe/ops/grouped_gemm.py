@@ -30,7 +30,17 @@ import triton.language as tl
 
 from ._util import cdiv
 from .configs import GemmConfig
-from .expert_gemm import Numerics, check_operands, columns, epilogue, k_loop, scale_ptrs, scale_strides, tile_meta
+from .expert_gemm import (
+    Numerics,
+    check_operands,
+    columns,
+    epilogue,
+    k_loop,
+    scale_ptrs,
+    scale_strides,
+    tile_meta,
+    weight_k,
+)
 from .launcher import launch
 
 
@@ -249,8 +259,8 @@ def moe_gemm1(
         numerics.mode is not None or preact.shape != (out.shape[0], w1.shape[1]) or preact.stride(-1) != 1
     ):
         raise ValueError(f"preact must be a row-contiguous [{out.shape[0]}, {w1.shape[1]}] of an unquantized call")
-    E, two_i, H = w1.shape
-    I = two_i // 2
+    E, two_i = w1.shape[:2]
+    H, I = weight_k(w1, numerics), two_i // 2
     if two_i != 2 * I or a.shape[-1] != H or out.shape[-1] != I or out.shape[0] != a.shape[0] * top_k:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, two_i))
@@ -299,7 +309,8 @@ def moe_gemm2(
         bias: [E, H], added before the routing weight.
     """
     _check(a, w2, sorted_ids, block_expert, config, numerics)
-    E, H, I = w2.shape
+    E, H = w2.shape[:2]
+    I = weight_k(w2, numerics)
     rows = sorted_ids.shape[0] if a_sorted else out.shape[0]
     if a.shape[-1] != I or out.shape[-1] != H or (a.shape[0] < rows if a_sorted else a.shape[0] != rows):
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w2 {tuple(w2.shape)}, out {tuple(out.shape)}")

@@ -1,0 +1,196 @@
+"""MXFP4 weights: the format (torch, CPU) and the expert GEMMs' mxfp4 weight mode against the same GEMMs on the
+dequantized weights (CPU interpreter in float32, bf16 on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import TRITON_DEVICE_DTYPES, interpreter
+
+from fusedmoe.mxfp4 import (
+    E2M1_VALUES,
+    GROUP,
+    check_mxfp4,
+    dequantize_mxfp4,
+    from_checkpoint_blocks,
+    quantize_mxfp4,
+    split_interleaved_rows,
+)
+from fusedmoe.ops.align import align_params, moe_align
+from fusedmoe.ops.batched_gemm import batched_gemm1, batched_gemm2
+from fusedmoe.ops.configs import GemmConfig
+from fusedmoe.ops.expert_gemm import Numerics
+from fusedmoe.ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
+
+
+# ---- the format -------------------------------------------------------------------------------------------------
+def test_known_bytes_decode():
+    """Low nibble first; e2m1 codes are sign, 2 exponent bits, 1 mantissa bit; a scale byte s means 2^(s-127)."""
+    packed = torch.tensor([[0x21] + [0] * 15, [0xF8] + [0x77] * 15], dtype=torch.uint8)
+    scales = torch.tensor([[127], [129]], dtype=torch.uint8)
+    w = dequantize_mxfp4(packed, scales)
+    assert w[0, :2].tolist() == [0.5, 1.0] and w[0, 2:].eq(0).all()
+    assert w[1, 0].item() == 0.0 and torch.signbit(w[1, 0]) and w[1, 1].item() == -6.0 * 4
+    assert w[1, 2:].eq(6.0 * 4).all()
+    assert len(E2M1_VALUES) == 16 and E2M1_VALUES[7] == 6.0 and E2M1_VALUES[9] == -0.5
+
+
+def test_representable_weights_round_trip_exactly():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (4, 6, 96), generator=g)
+    codes[..., ::GROUP] = 7  # each group holds a +6, so its scale is the one it was built with
+    exps = torch.randint(-20, 20, (4, 6, 96 // GROUP), generator=g).float()
+    w = torch.tensor(E2M1_VALUES)[codes] * torch.exp2(exps).repeat_interleave(GROUP, dim=-1)
+    packed, scales = quantize_mxfp4(w)
+    assert packed.shape == (4, 6, 48) and scales.shape == (4, 6, 3)
+    assert torch.equal(dequantize_mxfp4(packed, scales), w)
+
+
+def test_quantization_error_and_fixed_point():
+    w = torch.randn(8, 16, 128, generator=torch.Generator().manual_seed(1))
+    packed, scales = quantize_mxfp4(w)
+    d = dequantize_mxfp4(packed, scales)
+    assert (d - w).norm() / w.norm() < 0.15  # 4-bit values with a shared power-of-two scale per 32
+    assert (d.abs() <= w.abs().unflatten(-1, (4, GROUP)).amax(-1).repeat_interleave(GROUP, -1) * 1.5).all()
+    again = quantize_mxfp4(d)
+    assert torch.equal(again[0], packed) and torch.equal(again[1], scales)
+    zeros = quantize_mxfp4(torch.zeros(2, 32))
+    assert dequantize_mxfp4(*zeros).eq(0).all()
+
+
+def test_checkpoint_blocks_and_interleaved_rows():
+    """gpt-oss's blocks [E, N, K/32, 16] are the packed bytes; its gate_up rows alternate gate, up."""
+    w = torch.randn(2, 8, 64)
+    packed, scales = quantize_mxfp4(w)
+    blocks = packed.unflatten(-1, (2, 16))
+    p2, s2 = from_checkpoint_blocks(blocks, scales)
+    assert torch.equal(p2, packed) and p2.data_ptr() == packed.data_ptr()
+    ps, ss = split_interleaved_rows(packed, scales)
+    d, ds = dequantize_mxfp4(packed, scales), dequantize_mxfp4(ps, ss)
+    assert torch.equal(ds[:, :4], d[:, 0::2]) and torch.equal(ds[:, 4:], d[:, 1::2])
+
+
+@pytest.mark.parametrize(
+    "packed,scales,error,match",
+    [
+        (torch.zeros(2, 16, dtype=torch.int8), torch.zeros(2, 1, dtype=torch.uint8), TypeError, "w must be uint8"),
+        (torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1), TypeError, "w_scale must be uint8"),
+        (
+            torch.zeros(2, 16, dtype=torch.uint8),
+            torch.zeros(2, 2, dtype=torch.uint8),
+            ValueError,
+            r"w_scale must be \[2, 1\]",
+        ),
+        (torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8), ValueError, "multiple of 32"),
+    ],
+)
+def test_invalid_weights_name_the_argument(packed, scales, error, match):
+    with pytest.raises(error, match=match):
+        check_mxfp4("w", packed, scales)
+
+
+def test_shape_mismatch_and_bad_blocks():
+    packed, scales = quantize_mxfp4(torch.randn(4, 64))
+    with pytest.raises(ValueError, match=r"holds a \[4, 64\] MXFP4 weight, expected \[4, 96\]"):
+        check_mxfp4("w1", packed, scales, shape=(4, 96))
+    with pytest.raises(ValueError, match="blocks must be"):
+        from_checkpoint_blocks(packed, scales)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_mxfp4(torch.randn(4, 40))
+
+
+# ---- the GEMMs' mxfp4 weight mode -------------------------------------------------------------------------------
+CFG = GemmConfig(16, 32, 64)
+
+
+def _setup(M, k, E, device):
+    g = torch.Generator().manual_seed(M)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int().to(device)
+    s, b, _ = moe_align(ids, E, CFG.block_m)
+    return s, b, grid_blocks(M * k, align_params(M * k, E, CFG.block_m).max_blocks)
+
+
+def _mx(w, device):
+    packed, scales = quantize_mxfp4(w)
+    return packed.to(device), scales.to(device), dequantize_mxfp4(packed, scales)
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+@pytest.mark.parametrize("H", [64, 96])  # 96: K is not a multiple of BLOCK_K (a masked tail tile)
+def test_gemm1_mxfp4_matches_dequantized(device, dtype, activation, H):
+    M, k, E, I = 13, 2, 3, 40  # I: not a multiple of BLOCK_N
+    s, b, nb = _setup(M, k, E, device)
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    packed, scales, w1 = _mx(torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(3)), device)
+    bias = torch.randn(E, 2 * I).to(device, dtype) if activation == "swigluoai" else None
+    ieee = dtype == torch.float32
+    outs = []
+    for w, num in (
+        (packed, Numerics(mode="mxfp4", w_scale=scales, fp32_ieee=ieee)),
+        (w1.to(device, dtype), Numerics(fp32_ieee=ieee)),
+    ):
+        out = torch.full((M * k, I), float("nan"), device=device, dtype=dtype)
+        moe_gemm1(x, w, out, s, b, top_k=k, num_blocks=nb, config=CFG, activation=activation, numerics=num, bias=bias)
+        outs.append(out.float())
+    assert torch.isfinite(outs[0]).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (outs[0] - outs[1]).norm() / outs[1].norm() < tol
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_gemm2_mxfp4_matches_dequantized(device, dtype):
+    M, k, E, H, I = 9, 3, 4, 40, 64
+    s, b, nb = _setup(M, k, E, device)
+    a = torch.randn(M * k, I, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    tw = torch.rand(M, k, generator=torch.Generator().manual_seed(5)).to(device)
+    packed, scales, w2 = _mx(torch.randn(E, H, I, generator=torch.Generator().manual_seed(6)), device)
+    ieee = dtype == torch.float32
+    outs = []
+    for w, num in ((packed, Numerics(mode="mxfp4", w_scale=scales, fp32_ieee=ieee)), (w2.to(device, dtype), None)):
+        out = torch.full((M * k, H), float("nan"), device=device, dtype=dtype)
+        moe_gemm2(a, w, out, s, b, num_blocks=nb, config=CFG, topk_weights=tw, numerics=num or Numerics(fp32_ieee=ieee))
+        outs.append(out.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.isfinite(outs[0]).all() and (outs[0] - outs[1]).norm() / outs[1].norm() < tol
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+def test_batched_gemms_mxfp4_match_dequantized(device, dtype):
+    E, T, H, I = 3, 20, 64, 32
+    counts = torch.tensor([20, 0, 7], dtype=torch.int32, device=device)  # a full, an idle and a partial expert
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(E, T, H, generator=g).to(device, dtype)
+    p1, s1, w1 = _mx(torch.randn(E, 2 * I, H, generator=g), device)
+    p2, s2, w2 = _mx(torch.randn(E, H, I, generator=g), device)
+    ieee = dtype == torch.float32
+    mid = [torch.zeros(E, T, I, device=device, dtype=dtype) for _ in range(2)]
+    batched_gemm1(a, p1, mid[0], counts, config=CFG, numerics=Numerics(mode="mxfp4", w_scale=s1, fp32_ieee=ieee))
+    batched_gemm1(a, w1.to(device, dtype), mid[1], counts, config=CFG, numerics=Numerics(fp32_ieee=ieee))
+    out = [torch.zeros(E, T, H, device=device, dtype=dtype) for _ in range(2)]
+    batched_gemm2(mid[1], p2, out[0], counts, config=CFG, numerics=Numerics(mode="mxfp4", w_scale=s2, fp32_ieee=ieee))
+    batched_gemm2(mid[1], w2.to(device, dtype), out[1], counts, config=CFG, numerics=Numerics(fp32_ieee=ieee))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in ((mid[0], mid[1]), (out[0], out[1])):
+        assert (got.float() - want.float()).norm() / want.float().norm() < tol
+    assert out[0][1].eq(0).all()  # the idle expert's rows are not written
+
+
+@interpreter
+def test_gemm_mxfp4_rejects_bad_operands():
+    device = "cpu"
+    s, b, nb = _setup(4, 2, 3, device)
+    x = torch.randn(4, 64)
+    packed, scales, _ = _mx(torch.randn(3, 16, 64), device)
+    out = torch.empty(8, 8)
+    num = Numerics(mode="mxfp4", w_scale=scales)
+    with pytest.raises(ValueError, match="BLOCK_K must be a multiple of 32"):
+        moe_gemm1(x, packed, out, s, b, top_k=2, num_blocks=nb, config=GemmConfig(16, 32, 16), numerics=num)
+    with pytest.raises(ValueError, match="w_scale must be"):
+        moe_gemm1(
+            x, packed, out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num._replace(w_scale=scales[..., :1])
+        )
+    with pytest.raises(TypeError, match="unquantized activations"):
+        moe_gemm1(x.to(torch.float8_e4m3fn), packed, out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
+    with pytest.raises(TypeError, match="must be uint8"):
+        moe_gemm1(x, packed.view(torch.int8), out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
