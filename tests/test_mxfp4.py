@@ -194,3 +194,107 @@ def test_gemm_mxfp4_rejects_bad_operands():
         moe_gemm1(x.to(torch.float8_e4m3fn), packed, out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
     with pytest.raises(TypeError, match="must be uint8"):
         moe_gemm1(x, packed.view(torch.int8), out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
+
+
+# ---- fused_moe(quant="mxfp4") -----------------------------------------------------------------------------------
+def _mx_call(M, E, k, H, I, *, device, dtype, bias=False, ids=None, seed=0):
+    from fusedmoe.quant import quantize_weights
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g).to(device, dtype)
+    w1q, w2q, s1, s2 = quantize_weights(
+        torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6, "mxfp4"
+    )
+    tw = torch.rand(M, k, generator=g).to(device)
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)] or [torch.zeros(0)]).reshape(M, k)
+    kw = dict(quant="mxfp4", w1_scale=s1.to(device), w2_scale=s2.to(device))
+    if bias:
+        kw.update(
+            w1_bias=torch.randn(E, 2 * I, generator=g).to(device, dtype),
+            w2_bias=torch.randn(E, H, generator=g).to(device, dtype),
+        )
+    return x, w1q.to(device), w2q.to(device), tw, ids.to(device, torch.int32), kw
+
+
+def _check_against_reference(out, args, kw, dtype, **extra):
+    from fusedmoe.reference import fused_moe_reference
+
+    ref = fused_moe_reference(*args, **kw, **extra)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    denom = ref.norm().item() or 1.0
+    assert (out.double() - ref).norm().item() / denom < tol
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["plain", "gpt_oss", "expert_map", "M1", "topk_equals_E", "all_on_one"])
+def test_fused_moe_mxfp4_matches_the_reference(backend, case):
+    """On the CPU: the torch backend (weights decoded in row chunks) and, under the interpreter, the Triton
+    kernels, against the float64 reference on the dequantized weights."""
+    from devices import INTERPRETING
+
+    from fusedmoe import fused_moe
+    from fusedmoe.workspace.manager import WorkspaceManager
+
+    if backend == "triton" and not INTERPRETING:
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    dtype, extra = torch.float32, {}
+    if case == "plain":
+        args = _mx_call(9, 4, 2, 64, 32, device="cpu", dtype=dtype)
+    elif case == "gpt_oss":  # swigluoai with biases, I not a multiple of the tile
+        args = _mx_call(9, 4, 2, 64, 96, device="cpu", dtype=dtype, bias=True)
+        extra["activation"] = "swigluoai"
+    elif case == "expert_map":
+        ids = torch.tensor([[0, 3], [1, 2], [3, 4], [5, 1], [2, 0]])
+        args = _mx_call(5, 3, 2, 32, 32, device="cpu", dtype=dtype, ids=ids)
+        extra.update(expert_map=torch.tensor([-1, 0, 1, -1, 2, -1], dtype=torch.int32), global_num_experts=6)
+    elif case == "M1":
+        args = _mx_call(1, 4, 2, 32, 64, device="cpu", dtype=dtype)
+    elif case == "topk_equals_E":
+        args = _mx_call(6, 3, 3, 32, 32, device="cpu", dtype=dtype)
+    else:
+        args = _mx_call(12, 4, 1, 32, 32, device="cpu", dtype=dtype, ids=torch.full((12, 1), 2))
+    x, w1, w2, tw, ids, kw = args
+    out = fused_moe(x, w1, w2, tw, ids, backend=backend, workspace=WorkspaceManager("cpu", poison=True), **kw, **extra)
+    _check_against_reference(out, (x, w1, w2, tw, ids), kw, dtype, **extra)
+
+
+@pytest.mark.gpu
+def test_fused_moe_mxfp4_on_the_gpu():
+    from fusedmoe import fused_moe
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for M in (1, 8, 100):
+        x, w1, w2, tw, ids, kw = _mx_call(M, 8, 2, 256, 192, device="cuda", dtype=torch.bfloat16, bias=True)
+        out = fused_moe(x, w1, w2, tw, ids, activation="swigluoai", **kw)
+        _check_against_reference(out, (x, w1, w2, tw, ids), kw, torch.bfloat16, activation="swigluoai")
+
+
+def test_fused_moe_mxfp4_empty_batch():
+    from fusedmoe import fused_moe
+
+    x, w1, w2, tw, ids, kw = _mx_call(0, 4, 2, 32, 32, device="cpu", dtype=torch.float32)
+    assert fused_moe(x, w1, w2, tw, ids, backend="torch", **kw).shape == (0, 32)
+
+
+def test_fused_moe_mxfp4_validation_names_the_argument():
+    from fusedmoe import fused_moe
+    from fusedmoe.checks import GradientNotSupportedError
+
+    x, w1, w2, tw, ids, kw = _mx_call(4, 3, 2, 64, 32, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"w1_scale must be \[3, 64, 2\]"):
+        fused_moe(x, w1, w2, tw, ids, **{**kw, "w1_scale": kw["w1_scale"][..., :1]})
+    with pytest.raises(ValueError, match="needs w2_scale"):
+        fused_moe(x, w1, w2, tw, ids, **{**kw, "w2_scale": None})
+    with pytest.raises(ValueError, match="a1_scale was given but quant='mxfp4' quantizes weights only"):
+        fused_moe(x, w1, w2, tw, ids, a1_scale=torch.ones(1), **kw)
+    with pytest.raises(TypeError, match="w1 must be uint8"):
+        fused_moe(x, w1.view(torch.int8), w2, tw, ids, **kw)
+    with pytest.raises(
+        ValueError, match=r"w1 must be \[E, 2I, H\] with H=32 \(from hidden_states\) \(MXFP4: H/2 bytes"
+    ):
+        fused_moe(x[:, :32], w1, w2, tw, ids, **kw)
+    with pytest.raises(GradientNotSupportedError, match=r"quantized calls \(fp8, mxfp4\) have no backward"):
+        fused_moe(x.requires_grad_(), w1, w2, tw, ids, backend="torch", **kw)

@@ -1,4 +1,4 @@
-"""fp8 helpers in quant.py and the activation-quantization kernels (CPU interpreter)."""
+"""fp8 helpers in quant.py and the activation-quantization kernels (CPU interpreter); MXFP4: tests/test_mxfp4.py."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch
 from fusedmoe.ops.quantize import num_partials, quantize_activation, scale_shape
 from fusedmoe.quant import (
     FP8_DTYPE,
-    QUANT_MODES,
+    FP8_MODES,
     QuantConfig,
     activation_scales,
     dequantize_weight,
@@ -15,7 +15,7 @@ from fusedmoe.quant import (
 )
 
 
-@pytest.mark.parametrize("mode", QUANT_MODES)
+@pytest.mark.parametrize("mode", FP8_MODES)
 def test_quantize_weights_shapes_and_roundtrip(mode):
     E, I, H = 3, 72, 200
     w1, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
@@ -34,7 +34,7 @@ def test_quantize_weights_shapes_and_roundtrip(mode):
         assert (wq.float().abs() <= 448).all()
 
 
-@pytest.mark.parametrize("mode", QUANT_MODES)
+@pytest.mark.parametrize("mode", FP8_MODES)
 def test_fake_quantize_activation(mode):
     x = torch.randn(6, 300, dtype=torch.float64) * 5
     y = fake_quantize_activation(x, mode)
@@ -58,7 +58,7 @@ def _torch_quant(x, mode, scale):
     return (x.float() / s).clamp(-448, 448).to(FP8_DTYPE)
 
 
-@pytest.mark.parametrize("mode", QUANT_MODES)
+@pytest.mark.parametrize("mode", FP8_MODES)
 def test_quantize_kernel_matches_torch_rule(mode):
     # values near powers of two hit the interpreter's cast bug unless the kernel pre-rounds (it does on CPU)
     x = torch.cat([torch.randn(5, 300) * 3, torch.full((1, 300), 1.987), torch.zeros(1, 300)])
@@ -68,7 +68,7 @@ def test_quantize_kernel_matches_torch_rule(mode):
     assert torch.equal(q.float(), _torch_quant(x, mode, rs).float())
 
 
-@pytest.mark.parametrize("mode", QUANT_MODES)
+@pytest.mark.parametrize("mode", FP8_MODES)
 def test_quantize_kernel_gated_rows(mode):
     # rows of non-local slots hold NaN (never written by GEMM1): they must be skipped and stay unwritten
     M, k, E = 5, 2, 4

@@ -102,8 +102,10 @@ def fused_moe(
         apply_router_weight_on_input: multiply the input rows by the routing weight instead of the outputs.
         expert_map: int32 [global_num_experts], global id -> local id or -1 (not on this rank: contributes 0).
         global_num_experts: size of the global id space (default: len(expert_map) or E).
-        quant: None or a fp8 QuantConfig / mode name ("fp8_tensor", "fp8_tensor_static", "fp8_token",
-            "fp8_block"), with the matching ``w*_scale`` / ``a*_scale`` tensors (see fusedmoe.quant).
+        quant: None or a QuantConfig / mode name: fp8 w8a8 ("fp8_tensor", "fp8_tensor_static", "fp8_token",
+            "fp8_block") with the matching ``w*_scale`` / ``a*_scale`` tensors, or "mxfp4" (weights only: ``w1``
+            uint8 [E, 2I, H/2], ``w2`` uint8 [E, H, I/2], e8m0 ``w1_scale`` / ``w2_scale`` uint8 [..., K/32]);
+            see fusedmoe.quant and fusedmoe.mxfp4.
         workspace: the WorkspaceManager to take scratch from (default: the device's shared manager).
         workspace13, workspace2: caller-owned scratch instead of a manager: contiguous tensors of
             hidden_states' dtype (any shape, used as flat storage) or uint8. See docs/architecture.md.
@@ -118,7 +120,7 @@ def fused_moe(
     Returns:
         A new tensor [M, H] in hidden_states' dtype (never a view of the workspace). Differentiable: when
         autograd records and any of hidden_states, w1, w2, topk_weights or the biases requires grad, the
-        backward (:mod:`fusedmoe.training`) gives their gradients (not for fp8-quantized calls).
+        backward (:mod:`fusedmoe.training`) gives their gradients (not for quantized calls: fp8, mxfp4).
     """
     tensors = (
         hidden_states,
@@ -216,7 +218,7 @@ def _differentiable(
     if p.quant is not None:
         forbid_gradients(
             "fused_moe",
-            "fp8-quantized calls have no backward (train in bf16/fp16/float32)",
+            "quantized calls (fp8, mxfp4) have no backward (train in bf16/fp16/float32)",
             hidden_states=x.hidden_states,
             w1=x.w1,
             w2=x.w2,

@@ -81,15 +81,35 @@ def _check_scale(name: str, t: torch.Tensor | None, shape: tuple[int, ...], devi
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
-def check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device) -> None:
-    """Scale tensors must match the quantization mode's shapes (see fusedmoe.quant)."""
-    E, two_i, H = w1.shape
-    I = w2.shape[2]
+def _check_mxfp4(w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device) -> None:
+    """MXFP4 weights (packed uint8 and e8m0 scales of the logical [E, 2I, H] / [E, H, I]) and no activation
+    scales."""
+    from .mxfp4 import check_mxfp4
+
+    E = w1.shape[0]
+    for name, w, s, shape in (("w1", w1, w1_scale, (E, 2 * I, H)), ("w2", w2, w2_scale, (E, H, I))):
+        if s is None:
+            raise ValueError(f"quant='mxfp4' needs {name}_scale (uint8 e8m0 exponents {[*shape[:2], shape[2] // 32]})")
+        _same_device(f"{name}_scale", s, device)
+        check_mxfp4(name, w, s, shape)
+    for name, t in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
+        if t is not None:
+            raise ValueError(f"{name} was given but quant='mxfp4' quantizes weights only (activations stay float)")
+
+
+def check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device, H=None, I=None) -> None:
+    """Scale tensors must match the quantization mode's shapes (see fusedmoe.quant); ``H``/``I``: the logical
+    sizes (MXFP4 packs two weights per byte)."""
     if quant is None:
         for name, t in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale), ("a2_scale", a2_scale)):
             if t is not None:
                 raise ValueError(f"{name} was given but quant is None")
         return
+    if quant.mode == "mxfp4":
+        _check_mxfp4(w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device)
+        return
+    E, two_i, H = w1.shape
+    I = w2.shape[2]
     if w1.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
         raise TypeError(f"quant={quant.name!r} needs w1 and w2 in {FP8_DTYPE}, got {w1.dtype} and {w2.dtype}")
     if quant.mode == "fp8_tensor":
@@ -160,11 +180,13 @@ def check_fused_moe_args(
         raise ValueError(f"num_experts (w1.shape[0]) must be > 0, got {E}")
     if w2.shape[0] != E:
         raise ValueError(f"w1 and w2 disagree on the number of experts: {E} vs {w2.shape[0]}")
-    if w1.shape[2] != H:
-        raise ValueError(f"w1 must be [E, 2I, H] with H={H} (from hidden_states), got {list(w1.shape)}")
+    packed = 2 if quant is not None and quant.mode == "mxfp4" else 1  # MXFP4: two weights per byte along K
+    what = " (MXFP4: H/2 bytes per row)" if packed == 2 else ""
+    if w1.shape[2] * packed != H:
+        raise ValueError(f"w1 must be [E, 2I, H] with H={H} (from hidden_states){what}, got {list(w1.shape)}")
     if w2.shape[1] != H:
         raise ValueError(f"w2 must be [E, H, I] with H={H} (from hidden_states), got {list(w2.shape)}")
-    I = w2.shape[2]
+    I = w2.shape[2] * packed
     if I <= 0 or w1.shape[1] != 2 * I:
         raise ValueError(
             f"w1 rows must be 2 x w2's I (gate rows then up rows): w1 {list(w1.shape)}, w2 {list(w2.shape)}"
@@ -173,7 +195,7 @@ def check_fused_moe_args(
         raise TypeError(
             f"w1/w2 dtype ({w1.dtype}, {w2.dtype}) must match hidden_states ({hidden_states.dtype}) unless quant is set"
         )
-    check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device)
+    check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device, H, I)
     check_biases(w1_bias, w2_bias, E, I, H, device, hidden_states.dtype)
 
     _tensor("topk_ids", topk_ids)

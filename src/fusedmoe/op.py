@@ -239,7 +239,7 @@ def _backward(ctx, grad_out):
     if ctx.quant is not None:
         from .checks import GradientNotSupportedError
 
-        raise GradientNotSupportedError("fused_moe_op: fp8-quantized calls have no backward")
+        raise GradientNotSupportedError("fused_moe_op: quantized calls (fp8, mxfp4) have no backward")
     n = ctx.needs_input_grad
     needs = [n[0], n[1], n[2], n[3], n[5] and b1 is not None, n[6] and b2 is not None]
     grads = torch.ops.fusedmoe.fused_moe_backward(grad_out, x, w1, w2, tw, ids, b1, b2, emap, *ctx.settings, needs)
@@ -284,7 +284,7 @@ def fused_moe_op(
 
         forbid_gradients(
             "fused_moe_op",
-            "fp8-quantized calls have no backward (train in bf16/fp16/float32)",
+            "quantized calls (fp8, mxfp4) have no backward (train in bf16/fp16/float32)",
             hidden_states=hidden_states,
             w1=w1,
             w2=w2,

@@ -1,6 +1,6 @@
-"""fp8 (e4m3) w8a8 quantization settings and helpers.
+"""Quantization settings and helpers: fp8 (e4m3) w8a8 and MXFP4 weight-only (w4a16).
 
-Three schemes, named as the CLI and ``QuantConfig.parse`` accept them:
+Four schemes, named as the CLI and ``QuantConfig.parse`` accept them:
 
 - ``fp8_tensor``: one scale per expert weight matrix (``w1_scale``/``w2_scale`` float32 [E]); activation scale
   per tensor, static (``a1_scale``/``a2_scale`` float32 [1] given by the caller) or dynamic (computed per call).
@@ -8,6 +8,9 @@ Three schemes, named as the CLI and ``QuantConfig.parse`` accept them:
   (``w1_scale`` [E, 2I], ``w2_scale`` [E, H]; activation scales [rows, 1], always dynamic).
 - ``fp8_block``: 128x128 weight blocks (``w1_scale`` [E, ceil(2I/128), ceil(H/128)],
   ``w2_scale`` [E, ceil(H/128), ceil(I/128)]) and per-token, per-128-column activation groups (DeepSeek-V3).
+- ``mxfp4``: weights only (gpt-oss): ``w1`` uint8 [E, 2I, H/2] and ``w2`` uint8 [E, H, I/2] hold two e2m1 codes
+  per byte, ``w1_scale`` uint8 [E, 2I, H/32] and ``w2_scale`` uint8 [E, H, I/32] one e8m0 exponent per 32
+  elements (:mod:`fusedmoe.mxfp4`); activations stay bf16/fp16/fp32 and take no scales.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-QUANT_MODES = ("fp8_tensor", "fp8_token", "fp8_block")
+QUANT_MODES = ("fp8_tensor", "fp8_token", "fp8_block", "mxfp4")
+#: The modes that quantize activations to fp8 (w8a8); the others leave them in the input dtype.
+FP8_MODES = ("fp8_tensor", "fp8_token", "fp8_block")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,11 @@ class QuantConfig:
     def name(self) -> str:
         return "fp8_tensor_static" if self.static_activation_scale else self.mode
 
+    @property
+    def fp8(self) -> bool:
+        """Whether activations are quantized to fp8 too (w8a8); False for weight-only MXFP4."""
+        return self.mode in FP8_MODES
+
 
 # ---- torch helpers (CPU-safe) ---------------------------------------------------------------------------------
 #: Floor of an amax before it becomes a scale, so an all-zero group gets a finite, non-zero scale.
@@ -91,7 +101,8 @@ def _expand_blocks(scale: torch.Tensor, n: int, k: int, bn: int, bk: int) -> tor
 def quantize_weights(
     w1: torch.Tensor, w2: torch.Tensor, quant: QuantConfig | str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize expert weights to e4m3 with float32 scales for ``quant``'s mode.
+    """Quantize expert weights to e4m3 with float32 scales for ``quant``'s mode (mxfp4: packed e2m1 codes and e8m0
+    scales, :func:`fusedmoe.mxfp4.quantize_mxfp4`).
 
     Args:
         w1: [E, 2I, H] float (bf16/fp16/fp32). w2: [E, H, I] float.
@@ -107,6 +118,11 @@ def quantize_weights(
     for w in (w1, w2):
         if w.dim() != 3:
             raise ValueError(f"expert weights must be 3-D [E, N, K], got shape {tuple(w.shape)}")
+        if quant.mode == "mxfp4":
+            from .mxfp4 import quantize_mxfp4
+
+            out.append(quantize_mxfp4(w))
+            continue
         if quant.mode == "fp8_tensor":
             scale = _scale_of(w.float().abs().amax(dim=(1, 2)))
             wq = _to_fp8(w, scale[:, None, None])
@@ -123,8 +139,13 @@ def quantize_weights(
 
 
 def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, quant: QuantConfig | str) -> torch.Tensor:
-    """Inverse of :func:`quantize_weights` for one weight: float32 tensor of ``wq``'s shape [E, N, K]."""
+    """Inverse of :func:`quantize_weights` for one weight: float32 [E, N, K] (``wq``'s shape; MXFP4: K is twice
+    its last dimension)."""
     quant = QuantConfig.parse(quant)
+    if quant.mode == "mxfp4":
+        from .mxfp4 import dequantize_mxfp4
+
+        return dequantize_mxfp4(wq, scale)
     w = wq.float()
     scale = scale.float()
     if quant.mode == "fp8_tensor":

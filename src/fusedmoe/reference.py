@@ -60,7 +60,7 @@ def fused_moe_reference(
 
     Same arguments as :func:`fusedmoe.fused_moe` minus the workspace ones. Slots whose id is outside
     ``[0, global_num_experts)`` or maps to -1 in ``expert_map`` contribute nothing. With ``quant``, weights are
-    dequantized with their scales and activations go through the same fp8 rounding as the kernels
+    dequantized with their scales and (fp8) activations go through the same fp8 rounding as the kernels
     (:func:`fusedmoe.quant.fake_quantize_activation`), so the comparison isolates kernel error.
 
     Returns:
@@ -94,7 +94,7 @@ def fused_moe_reference(
 
     # Activation quantization is modelled as the kernels do it: the input once over all M tokens, GEMM1's
     # output once over every local slot row (a per-tensor dynamic scale spans all experts).
-    if quant is not None:
+    if quant is not None and quant.fp8:
         x = _fake_quant(x, quant, a1_scale)
     groups = []
     for e in range(E):
@@ -108,7 +108,7 @@ def fused_moe_reference(
         if b1 is not None:
             gate_up = gate_up + b1[e]
         groups.append((e, tok, slot, activation_reference(gate_up, activation)))
-    if quant is not None and groups:
+    if quant is not None and quant.fp8 and groups:
         h_all = _fake_quant(torch.cat([g[3] for g in groups]), quant, a2_scale)
         sizes = [g[3].shape[0] for g in groups]
         groups = [(e, tok, slot, h) for (e, tok, slot, _), h in zip(groups, h_all.split(sizes))]

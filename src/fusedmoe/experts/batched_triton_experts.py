@@ -25,7 +25,7 @@ from ..ops.configs import MoEConfig
 from ..ops.expert_gemm import ACTIVATION_CODES
 from ..ops.quantize import scale_shape
 from ..problem import Layout, MoEProblem, hash_once, state_without_hash
-from ..quant import FP8_DTYPE
+from ..quant import FP8_DTYPE, FP8_MODES
 from ..steps import step
 from ..workspace.plan import BufferSpec
 from .base import Experts
@@ -112,7 +112,7 @@ def _gemm2_fp8(c, bx_a2q, bx_a2_scale=None):
 
 
 class BatchedTritonExperts(Experts):
-    """Batched-layout Triton GEMMs (bf16/fp16/fp32, fp8 w8a8 e4m3 in every mode).
+    """Batched-layout Triton GEMMs (bf16/fp16/fp32, fp8 w8a8 e4m3 in every mode, MXFP4 weights).
 
     Args:
         fp32_ieee: as for :class:`~fusedmoe.experts.triton_experts.TritonExperts` (None follows torch's
@@ -161,7 +161,7 @@ class BatchedTritonExperts(Experts):
             return []
         f32 = torch.float32
         q = p.quant
-        if q is None:
+        if q is None or not q.fp8:  # unquantized, or MXFP4 weights with float activations
             return [BufferSpec("bx_act", (R, I), p.dtype, region="2")]
         mode, gk = q.mode, q.block_shape[1]
         specs = [
@@ -181,7 +181,7 @@ class BatchedTritonExperts(Experts):
     def steps(self, p: MoEProblem, launch: BatchedLaunch):
         if p.E * p.max_tokens_per_expert == 0:
             return []
-        if launch.quant_mode is None:
+        if launch.quant_mode not in FP8_MODES:
             return [_gemm1, _gemm2]
         return [_quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..mxfp4 import dequantize_mxfp4
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Layout, MoEProblem
 from ..steps import step
 from ..workspace.plan import BufferSpec
@@ -79,12 +80,29 @@ def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, out: torch.T
 
 
 def _linear(
-    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, stage: torch.Tensor | None
+    a: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    stage: torch.Tensor | None,
+    w_scale: torch.Tensor | None = None,
 ) -> None:
-    """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype).
+    """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype, or MXFP4
+    bytes [N, K/2] with their e8m0 ``w_scale`` [N, K/32]).
 
-    A float32 ``w`` is used as it is; otherwise its rows are converted ``W_CHUNK`` at a time into ``stage``.
+    A float32 ``w`` is used as it is; otherwise its rows are converted (MXFP4: decoded) ``W_CHUNK`` at a time
+    into ``stage``.
     """
+    if w_scale is not None:
+        N, K = w.shape[0], 2 * w.shape[1]
+        for n0 in range(0, N, W_CHUNK):
+            n1 = min(n0 + W_CHUNK, N)
+            wf = stage[: (n1 - n0) * K].view(n1 - n0, K)
+            wf.copy_(dequantize_mxfp4(w[n0:n1], w_scale[n0:n1]))
+            torch.mm(a, wf.t(), out=out[:, n0:n1])
+            if bias is not None:
+                out[:, n0:n1] += bias[n0:n1].float()
+        return
     if w.dtype == torch.float32:
         if bias is None:
             torch.mm(a, w.t(), out=out)
@@ -125,6 +143,11 @@ def _gather(c, order, token_of, w_sorted, a_sorted, a_rows=None):
         a_sorted.mul_(w_sorted[:, None])
 
 
+def _mx_scale(c, w_scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert ``e``'s e8m0 scales when the weights are MXFP4, else None."""
+    return w_scale[e] if c.p.quant is not None and c.p.quant.mode == "mxfp4" else None
+
+
 @step
 def _gemm1(c, a_sorted, gate_up, w_stage=None):
     offsets, x = c.state["offsets"], c.x
@@ -132,7 +155,7 @@ def _gemm1(c, a_sorted, gate_up, w_stage=None):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             b1 = x.w1_bias[e] if x.w1_bias is not None else None
-            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage)
+            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage, _mx_scale(c, x.w1_scale, e))
 
 
 @step
@@ -151,7 +174,7 @@ def _gemm2(c, act, y_sorted, w_sorted, w_stage=None):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             b2 = x.w2_bias[e] if x.w2_bias is not None else None
-            _linear(act[lo:hi], x.w2[e], b2, y_sorted[lo:hi], w_stage)
+            _linear(act[lo:hi], x.w2[e], b2, y_sorted[lo:hi], w_stage, _mx_scale(c, x.w2_scale, e))
     n = offsets[p.E]
     if not p.apply_router_weight_on_input:
         y_sorted[:n].mul_(w_sorted[:n, None])
@@ -169,13 +192,14 @@ def _reduce(c, order, y_sorted, y_slot, y_sum=None):
 
 
 class TorchExperts(Experts):
-    """Reference-grade experts in torch (bf16/fp16/fp32 activations, float32 math, no fp8)."""
+    """Reference-grade experts in torch (bf16/fp16/fp32 activations, float32 math; MXFP4 weights decoded in row
+    chunks; no fp8)."""
 
     name = "torch"
     layout = Layout.STANDARD
 
     def supports(self, p: MoEProblem) -> str | None:
-        if p.quant is not None:
+        if p.quant is not None and p.quant.fp8:
             return "the torch experts do not implement fp8 quantization; use backend='triton'"
         return None
 

@@ -25,12 +25,12 @@ import torch
 from ..ops import configs
 from ..ops.align import AlignParams, align_params, moe_align
 from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
-from ..ops.expert_gemm import Numerics
+from ..ops.expert_gemm import MXFP4_GROUP, Numerics
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
 from ..problem import ACTIVATIONS, Layout, MoEProblem, hash_once, state_without_hash
-from ..quant import FP8_DTYPE
+from ..quant import FP8_DTYPE, FP8_MODES
 from ..steps import step
 from ..workspace.plan import BufferSpec
 from .base import Experts
@@ -57,8 +57,9 @@ def _smem_limit(device_index: int) -> int:
 
 
 def operand_bytes(p: MoEProblem) -> int:
-    """Bytes per element of the GEMM operands (1 for fp8, else the activation dtype's size)."""
-    return 1 if p.quant is not None else p.dtype.itemsize
+    """Bytes per element of the GEMM operands (1 for fp8, else the activation dtype's size: MXFP4 weights are
+    decoded into it)."""
+    return 1 if p.quant is not None and p.quant.fp8 else p.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,10 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     cfg = get_config(
         m_lookup, p.E, p.H, p.I, p.top_k, quant_mode=mode, block_shape=shape, device=device_name() if on_gpu else "cpu"
     )
-    if q is not None and on_gpu and not _interpreting():  # an fp8 dot tile is at least 32 deep on the GPU
+    if q is not None and q.fp8 and on_gpu and not _interpreting():  # an fp8 dot tile is at least 32 deep on the GPU
         cfg = MoEConfig(*(replace(g, block_k=max(g.block_k, MIN_FP8_BLOCK_K)) for g in (cfg.gemm1, cfg.gemm2)))
+    if mode == "mxfp4":  # a K tile holds whole 32-element scale groups
+        cfg = MoEConfig(*(replace(g, block_k=max(g.block_k, MXFP4_GROUP)) for g in (cfg.gemm1, cfg.gemm2)))
     limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
     return fit_smem(cfg, operand_bytes(p), limit)
 
@@ -297,6 +300,11 @@ class TritonExperts(Experts):
         if p.quant is None:
             if p.weight_dtype != p.dtype:
                 return f"weight dtype {p.weight_dtype} must match the activation dtype {p.dtype}"
+        elif p.quant.mode == "mxfp4":
+            if p.weight_dtype != torch.uint8:
+                return f"mxfp4 needs uint8 (packed) weights, got {p.weight_dtype}"
+            if p.H % MXFP4_GROUP or p.I % MXFP4_GROUP:
+                return f"mxfp4 needs H and I to be multiples of {MXFP4_GROUP}, got H={p.H}, I={p.I}"
         else:
             if p.weight_dtype != FP8_DTYPE:
                 return f"{p.quant.name} needs float8_e4m3fn weights, got {p.weight_dtype}"
@@ -355,7 +363,7 @@ class TritonExperts(Experts):
         ]
         if not ap.fused:
             specs.append(BufferSpec("align_partial", ap.partial_shape, i32))
-        if L.quant_mode is not None:
+        if L.quant_mode in FP8_MODES:
             mode, gk = L.quant_mode, L.group_k
             specs.append(BufferSpec("a1q", (M, H), FP8_DTYPE))
             specs.append(BufferSpec("a2q", (S, I), FP8_DTYPE, region="2"))
@@ -370,7 +378,7 @@ class TritonExperts(Experts):
     def steps(self, p: MoEProblem, launch: TritonLaunch):
         if p.M == 0:
             return []
-        if launch.quant_mode is None:
+        if launch.quant_mode not in FP8_MODES:  # unquantized, or MXFP4 weights (the GEMMs' numerics carry them)
             return [_align, _gemm1, _gemm2, _reduce]
         return [_align, _quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8, _reduce]
 

@@ -137,7 +137,10 @@ class AllToAllPrepareFinalize(PrepareFinalize):
         """Do tokens travel as fp8 rows (+ scales)? Standard layout, with scales that are row-local or static."""
         q = p.quant
         return (
-            self.layout == Layout.STANDARD and q is not None and (q.mode != "fp8_tensor" or q.static_activation_scale)
+            self.layout == Layout.STANDARD
+            and q is not None
+            and q.fp8
+            and (q.mode != "fp8_tensor" or q.static_activation_scale)
         )
 
     def buffers(self, p: MoEProblem) -> list[BufferSpec]:
@@ -186,7 +189,7 @@ class AllToAllPrepareFinalize(PrepareFinalize):
                 BufferSpec("b_y_batched", (E * T, H), dt, region="2"),
                 *gather_plan("b_", R, H, dt),
             ]
-        elif p.quant is not None:
+        elif p.quant is not None and p.quant.fp8:
             q = p.quant
             specs.append(BufferSpec("ep_a1q", (R, H), FP8_DTYPE))
             if not q.static_activation_scale:
