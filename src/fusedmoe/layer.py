@@ -15,6 +15,7 @@ from .experts.base import ExpertsInputs
 from .ops import launcher
 from .ops.launcher import UNSEEN, Replays
 from .problem import MoEProblem, Routing
+from .quant import FP8_DTYPE, QuantConfig, quantize_weights
 from .reference import activation_reference
 from .routing import fused_routing_applies, route
 from .signature import input_signature
@@ -22,6 +23,34 @@ from .workspace.manager import WorkspaceManager, current_stream, default_manager
 from .workspace.plan import WorkspacePlan
 
 _LAYER_IDS = itertools.count()
+
+
+def quantized_weight_layout(quant: QuantConfig | None, E: int, H: int, I: int, dtype: torch.dtype | None) -> dict:
+    """{name: (shape, dtype)} of a layer's expert weights and their scales (shape None: no such tensor) for
+    ``quant`` (see :mod:`fusedmoe.quant`): the checkpoints' quantized layouts, w1 [E, 2I, H] and w2 [E, H, I]
+    as stored (MXFP4: two elements per byte along the last axis)."""
+    if quant is None:
+        dt = dtype or torch.get_default_dtype()
+        return {"w1": ((E, 2 * I, H), dt), "w2": ((E, H, I), dt), "w1_scale": (None, None), "w2_scale": (None, None)}
+    if quant.mode == "mxfp4":
+        if H % 32 or I % 32:
+            raise ValueError(f"quant='mxfp4' needs hidden_size and intermediate_size divisible by 32, got {H}, {I}")
+        u8 = torch.uint8
+        return {
+            "w1": ((E, 2 * I, H // 2), u8),
+            "w2": ((E, H, I // 2), u8),
+            "w1_scale": ((E, 2 * I, H // 32), u8),
+            "w2_scale": ((E, H, I // 32), u8),
+        }
+    if quant.mode == "fp8_tensor":
+        s1, s2 = (E,), (E,)
+    elif quant.mode == "fp8_token":
+        s1, s2 = (E, 2 * I), (E, H)
+    else:
+        bn, bk = quant.block_shape
+        s1, s2 = (E, -(-2 * I // bn), -(-H // bk)), (E, -(-H // bn), -(-I // bk))
+    f8, f32 = FP8_DTYPE, torch.float32
+    return {"w1": ((E, 2 * I, H), f8), "w2": ((E, H, I), f8), "w1_scale": (s1, f32), "w2_scale": (s2, f32)}
 
 
 class FusedMoE(nn.Module):
@@ -37,7 +66,10 @@ class FusedMoE(nn.Module):
     ``forward(hidden_states [..., H], router_logits=None)`` routes (computing logits with ``gate`` when none
     are given), runs the experts through ``fused_moe``'s kernel and adds the shared experts.
     ``workspace`` is the WorkspaceManager to draw scratch from (default: the device's shared manager); all
-    layers of a model should share one. ``recompute`` (training): recompute the experts' GEMM1 output in the
+    layers of a model should share one. ``quant`` (a mode of :mod:`fusedmoe.quant`: "fp8_tensor",
+    "fp8_token", "fp8_block" or "mxfp4") stores the experts quantized: ``w1`` / ``w2`` in the mode's dtype and
+    layout plus ``w1_scale`` / ``w2_scale`` (:func:`quantized_weight_layout`); activations, router and shared
+    experts stay in ``dtype``. ``recompute`` (training): recompute the experts' GEMM1 output in the
     backward instead of keeping it from the forward (less memory, a slower backward; docs/training.md).
     """
 
@@ -70,6 +102,7 @@ class FusedMoE(nn.Module):
         max_tokens_per_rank: int | None = None,
         max_tokens_per_expert: int | None = None,
         recompute: bool = False,
+        quant=None,
     ):
         super().__init__()
         E = positive_int("num_experts", num_experts)
@@ -118,8 +151,15 @@ class FusedMoE(nn.Module):
         emap = self._parallel.expert_map(device) if self._parallel is not None else None
         self.register_buffer("expert_map", emap, persistent=False)
         El = self.num_local_experts
-        self.w1 = nn.Parameter(torch.empty(El, 2 * I, H, **factory), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(El, H, I, **factory), requires_grad=False)
+        self.quant = QuantConfig.parse(quant)
+        if self.quant is not None and self._parallel is not None:
+            raise ValueError(
+                f"quant={self.quant.name!r}: quantized FusedMoE layers run the standard layout without ep_group "
+                "for now (fused_moe takes quantized weights in every layout)"
+            )
+        for name, (shape, wdtype) in quantized_weight_layout(self.quant, El, H, I, dtype).items():
+            t = torch.empty(shape, dtype=wdtype, device=device) if shape is not None else None
+            self.register_parameter(name, nn.Parameter(t, requires_grad=False) if t is not None else None)
         self.gate = nn.Parameter(torch.empty(E, H, **factory), requires_grad=False)
         # Optional biases (gpt-oss): router logits = x @ gate.T + gate_bias; w1_bias [E, 2I], w2_bias [E, H].
         for name, shape, on in (
@@ -153,8 +193,18 @@ class FusedMoE(nn.Module):
         """Random weights scaled so activations keep unit order of magnitude (for tests and benchmarks)."""
         H, I = self.hidden_size, self.intermediate_size
         with torch.no_grad():
-            for p, fan_in in ((self.w1, H), (self.w2, I), (self.gate, H)):
-                p.normal_(0.0, 1.0 / math.sqrt(fan_in))
+            if self.quant is None:
+                for p, fan_in in ((self.w1, H), (self.w2, I)):
+                    p.normal_(0.0, 1.0 / math.sqrt(fan_in))
+            else:  # random float weights, quantized
+                El, dev = self.num_local_experts, self.gate.device
+                w1 = torch.randn(El, 2 * I, H, device=dev) / math.sqrt(H)
+                w2 = torch.randn(El, H, I, device=dev) / math.sqrt(I)
+                for dst, src in zip(
+                    (self.w1, self.w2, self.w1_scale, self.w2_scale), quantize_weights(w1, w2, self.quant)
+                ):
+                    dst.copy_(src)
+            self.gate.normal_(0.0, 1.0 / math.sqrt(H))
             if self.num_shared_experts:
                 self.shared_w1.normal_(0.0, 1.0 / math.sqrt(H))
                 self.shared_w2.normal_(0.0, 1.0 / math.sqrt(self.shared_w2.shape[1]))
@@ -166,7 +216,13 @@ class FusedMoE(nn.Module):
             f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, activation={self.activation}, "
             f"shared={self.num_shared_experts}, scoring={self.routing['scoring']}"
+            + (f", quant={self.quant.name}" if self.quant is not None else "")
         )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: the weights' (the router's, for quantized weights)."""
+        return self.w1.dtype if self.quant is None else self.gate.dtype
 
     # ---- workspace ---------------------------------------------------------------------------------------
     @property
@@ -183,8 +239,9 @@ class FusedMoE(nn.Module):
             global_E=E,
             has_expert_map=self.expert_map is not None,
             top_k=self.top_k,
-            dtype=dtype or self.w1.dtype,
+            dtype=dtype or self.compute_dtype,
             weight_dtype=self.w1.dtype,
+            quant=self.quant,
             activation=self.activation,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
             has_bias=self.w1_bias is not None or self.w2_bias is not None,
@@ -237,6 +294,8 @@ class FusedMoE(nn.Module):
             P["gate_bias"],
             P["w1_bias"],
             P["w2_bias"],
+            P.get("w1_scale"),
+            P.get("w2_scale"),
             B.get("e_score_correction_bias"),
             B.get("expert_map"),
         )
@@ -337,6 +396,11 @@ class FusedMoE(nn.Module):
             backend=self.backend,
             w1_bias=self.w1_bias,
             w2_bias=self.w2_bias,
+            **(
+                {}
+                if self.quant is None
+                else {"quant": self.quant, "w1_scale": self.w1_scale, "w2_scale": self.w2_scale}
+            ),
             **extra,
         )
 
@@ -394,8 +458,9 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"router_logits must hold one row per token ({x.shape[0]}), got {list(router_logits.shape)}"
             )
-        if x.dtype != self.w1.dtype:
-            raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's weights ({self.w1.dtype})")
+        if x.dtype != self.compute_dtype:
+            what = "weights" if self.quant is None else "router and activations (quantized experts)"
+            raise TypeError(f"hidden_states dtype {x.dtype} does not match the layer's {what} ({self.compute_dtype})")
         if x.device != self.w1.device:
             raise ValueError(f"hidden_states is on {x.device} but the layer's weights are on {self.w1.device}")
         if torch.is_grad_enabled() and self._wants_grad(x, router_logits):
@@ -457,6 +522,8 @@ class FusedMoE(nn.Module):
             topk_weights,
             topk_ids,
             expert_map=B.get("expert_map"),
+            w1_scale=P.get("w1_scale"),
+            w2_scale=P.get("w2_scale"),
             w1_bias=P["w1_bias"],
             w2_bias=P["w2_bias"],
             router_logits=logits,
@@ -479,17 +546,36 @@ class FusedMoE(nn.Module):
 
         return from_hf_state_dict(state_dict, config, cls=cls, **kwargs)
 
-    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+    def load_weights(
+        self,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        gate: torch.Tensor | None = None,
+        w1_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> None:
         """Copy full, all-expert weights (as a checkpoint holds them: w1 [E, 2I, H], w2 [E, H, I], gate [E, H])
-        into this layer, keeping only this rank's experts under expert parallelism (the router gate is global)."""
+        into this layer, keeping only this rank's experts under expert parallelism (the router gate is global).
+        A quantized layer takes its quantized weights and their scales in the layouts of :mod:`fusedmoe.quant`
+        (w1 / w2 dtypes and shapes as the layer's parameters, plus ``w1_scale`` / ``w2_scale``)."""
         E, El = self.num_experts, self.num_local_experts
         lo = self._parallel.rank * El if self._parallel is not None else 0
-        for name, full, shape in (("w1", w1, self.w1.shape[1:]), ("w2", w2, self.w2.shape[1:])):
-            if tuple(full.shape) != (E, *shape):
-                raise ValueError(f"{name} must have shape {[E, *shape]}, got {list(full.shape)}")
+        pairs = [("w1", w1), ("w2", w2)]
+        if self.quant is not None:
+            pairs += [("w1_scale", w1_scale), ("w2_scale", w2_scale)]
+        elif w1_scale is not None or w2_scale is not None:
+            raise ValueError("w1_scale / w2_scale were given but this layer is not quantized (quant=None)")
+        for name, full in pairs:
+            mine = getattr(self, name)
+            if full is None:
+                raise ValueError(f"{name} is required for quant={self.quant.name!r}")
+            if tuple(full.shape) != (E, *mine.shape[1:]) or full.dtype != mine.dtype:
+                raise ValueError(
+                    f"{name} must be {mine.dtype} of shape {[E, *mine.shape[1:]]}, got {full.dtype} {list(full.shape)}"
+                )
         with torch.no_grad():
-            self.w1.copy_(w1[lo : lo + El])
-            self.w2.copy_(w2[lo : lo + El])
+            for name, full in pairs:
+                getattr(self, name).copy_(full[lo : lo + El])
             if gate is not None:
                 if tuple(gate.shape) != tuple(self.gate.shape):
                     raise ValueError(f"gate must have shape {list(self.gate.shape)}, got {list(gate.shape)}")

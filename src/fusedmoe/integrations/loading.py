@@ -30,6 +30,7 @@ from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "checkpoint_quant",
     "convert_hf_state_dict",
     "from_hf",
     "from_hf_state_dict",
@@ -216,14 +217,77 @@ def _shared(sd: Mapping[str, torch.Tensor], name: str):
     return torch.cat([g, u], dim=0), d
 
 
+def _gpt_oss_mxfp4(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's MXFP4 experts (``experts.{gate_up,down}_proj_{blocks,scales,bias}``, the checkpoint's own names)
+    -> FusedMoE's ``w1`` / ``w1_scale`` (gate rows, then up rows), ``w2`` / ``w2_scale`` and biases."""
+    from ..mxfp4 import from_checkpoint_blocks, split_interleaved_rows
+
+    w1, s1 = split_interleaved_rows(
+        *from_checkpoint_blocks(sd["experts.gate_up_proj_blocks"], sd["experts.gate_up_proj_scales"])
+    )
+    w2, s2 = from_checkpoint_blocks(sd["experts.down_proj_blocks"], sd["experts.down_proj_scales"])
+    b = sd["experts.gate_up_proj_bias"]
+    b1 = torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).contiguous()
+    return dict(
+        w1=w1,
+        w1_scale=s1,
+        w2=w2.contiguous(),
+        w2_scale=s2.contiguous(),
+        w1_bias=b1,
+        w2_bias=sd["experts.down_proj_bias"],
+    )
+
+
+def _per_expert_fp8_block(sd: Mapping[str, torch.Tensor], num_experts: int, block_n: int) -> dict[str, torch.Tensor]:
+    """Per-expert fp8 weights with 128x128-block ``weight_scale_inv`` (Qwen3-FP8, DeepSeek-V3 checkpoints) ->
+    ``w1`` [E, 2I, H] e4m3 with ``w1_scale`` [E, 2I/bn, H/bk] (gate blocks, then up blocks) and ``w2`` / ``w2_scale``.
+    Gate and up stack along block rows, so I must be a multiple of the block's ``block_n``."""
+    w1, w2 = per_expert_to_fused(sd, "experts.", num_experts)
+    scales = {k[: -len(".weight_scale_inv")] + ".weight": v for k, v in sd.items() if k.endswith(".weight_scale_inv")}
+    s1, s2 = per_expert_to_fused(scales, "experts.", num_experts)
+    I = w2.shape[2]
+    if I % block_n:
+        raise NotImplementedError(f"fp8 block weights with intermediate size {I} not a multiple of block {block_n}")
+    return dict(w1=w1, w1_scale=s1.float(), w2=w2, w2_scale=s2.float())
+
+
+def checkpoint_quant(state_dict: Mapping[str, torch.Tensor], config):
+    """The :class:`~fusedmoe.quant.QuantConfig` of a converted FusedMoE state dict (None: float weights), from its
+    ``w1`` dtype and, for fp8 blocks, the config's ``quantization_config.weight_block_size``."""
+    from ..quant import FP8_DTYPE, QuantConfig
+
+    w1 = state_dict["w1"]
+    if w1.dtype == torch.uint8:
+        return QuantConfig("mxfp4")
+    if w1.dtype == FP8_DTYPE:
+        return QuantConfig("fp8_block", block_shape=_block_shape(config))
+    return None
+
+
+def _block_shape(config) -> tuple[int, int]:
+    qc = getattr(config, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method, block = qc.get("quant_method"), qc.get("weight_block_size")
+    if method != "fp8" or not block or len(block) != 2:
+        raise NotImplementedError(
+            f"fp8 expert weights need quantization_config quant_method='fp8' with weight_block_size [n, k], got {qc}"
+        )
+    return int(block[0]), int(block[1])
+
+
 def convert_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config, prefix: str = "") -> dict[str, torch.Tensor]:
     """One MoE block's transformers weights (keys ``prefix + name``) -> a FusedMoE state dict.
 
-    Handles the fused (transformers 5), per-expert (older) and gpt-oss layouts; see the module docstring.
+    Handles the fused (transformers 5), per-expert (older) and gpt-oss layouts, and the quantized checkpoints'
+    own names: gpt-oss MXFP4 (``*_blocks`` / ``*_scales``) and per-expert fp8 blocks (``*.weight_scale_inv``);
+    see the module docstring. :func:`checkpoint_quant` tells the quantization of the result.
     """
     mt = getattr(config, "model_type", None)
     sd = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     out: dict[str, torch.Tensor] = {}
+    if mt == "gpt_oss" and "experts.gate_up_proj_blocks" in sd:
+        out.update(_gpt_oss_mxfp4(sd), gate=sd["router.weight"], gate_bias=sd["router.bias"])
+        return out
     if mt == "gpt_oss":
         w1, b1, w2, b2 = gpt_oss_to_fused(
             sd["experts.gate_up_proj"],
@@ -235,6 +299,9 @@ def convert_hf_state_dict(state_dict: Mapping[str, torch.Tensor], config, prefix
         return out
     if "experts.gate_up_proj" in sd:
         out["w1"], out["w2"] = sd["experts.gate_up_proj"], sd["experts.down_proj"]
+    elif any(k.endswith(".weight_scale_inv") for k in sd if k.startswith("experts.")):
+        E = _attr(config, "num_experts", "num_local_experts", "n_routed_experts")
+        out.update(_per_expert_fp8_block(sd, E, _block_shape(config)[0]))
     else:
         out["w1"], out["w2"] = per_expert_to_fused(
             sd, "experts.", _attr(config, "num_experts", "num_local_experts", "n_routed_experts")
@@ -290,27 +357,33 @@ def from_hf_state_dict(
     """A FusedMoE holding one MoE block's weights from a state dict (or safetensors path(s)) and its config.
 
     ``prefix`` selects the block (e.g. ``"model.layers.3.mlp."``). ``dtype`` / ``device`` default to the
-    tensors'. Extra ``kwargs`` go to the FusedMoE constructor (``workspace``, ``backend``, ...).
+    tensors' (for quantized experts: the router's dtype; the experts stay as the checkpoint stores them, MXFP4 or
+    fp8 blocks, :func:`checkpoint_quant`). Extra ``kwargs`` go to the FusedMoE constructor (``workspace``,
+    ``backend``, ...).
     """
     if cls is None:
         from ..layer import FusedMoE as cls
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_safetensors(state_dict, prefix)
     sd = convert_hf_state_dict(state_dict, config, prefix)
-    dtype = dtype or sd["w1"].dtype
+    quant = checkpoint_quant(sd, config)
+    dtype = dtype or (sd["gate"] if quant is not None else sd["w1"]).dtype
     device = device or sd["w1"].device
+    if quant is not None:
+        kwargs = {**kwargs, "quant": quant}
     layer = _new_layer(cls, config, "meta", dtype, **kwargs)
     expected = set(layer.state_dict())
     missing, extra = expected - set(sd), set(sd) - expected
     if missing or extra:
         raise KeyError(f"state dict does not match the layer: missing {sorted(missing)}, unexpected {sorted(extra)}")
-    layer.load_state_dict(
-        {
-            k: v.to(device=device, dtype=torch.float32 if k == "e_score_correction_bias" else dtype)
-            for k, v in sd.items()
-        },
-        assign=True,
-    )
+    stored = {"w1", "w2", "w1_scale", "w2_scale"} if quant is not None else set()  # kept as the checkpoint has them
+
+    def cast(k, v):
+        if k in stored:
+            return v.to(device=device)
+        return v.to(device=device, dtype=torch.float32 if k == "e_score_correction_bias" else dtype)
+
+    layer.load_state_dict({k: cast(k, v) for k, v in sd.items()}, assign=True)
     for p in layer.parameters():
         p.requires_grad_(False)
     return layer

@@ -1,0 +1,129 @@
+"""Quantized checkpoints into FusedMoE, offline: tiny gpt-oss MXFP4 and Qwen3-MoE fp8-block checkpoints in their
+own tensor names (safetensors + config.json), against float layers and references on the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import INTERPRETING
+from hf_tiny import tiny_config
+
+from fusedmoe.integrations.loading import checkpoint_quant, convert_hf_state_dict, from_hf_state_dict
+from fusedmoe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from fusedmoe.quant import FP8_DTYPE, quantize_weights
+from fusedmoe.reference import fused_moe_reference
+
+transformers = pytest.importorskip("transformers")
+PREFIX = "model.layers.0.mlp."
+
+
+def _gpt_oss_checkpoint():
+    """A gpt-oss MoE block as its MXFP4 checkpoint stores it, and the same block dequantized (float names)."""
+    cfg = tiny_config("gpt_oss")
+    E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(E, H, 2 * I, generator=g) / H**0.5  # gpt-oss: x @ gate_up, gate/up interleaved columns
+    down = torch.randn(E, I, H, generator=g) / I**0.5
+    p1, s1 = quantize_mxfp4(gate_up.transpose(1, 2))  # stored out-major: [E, 2I, H]
+    p2, s2 = quantize_mxfp4(down.transpose(1, 2))
+    common = {
+        "experts.gate_up_proj_bias": torch.randn(E, 2 * I, generator=g),
+        "experts.down_proj_bias": torch.randn(E, H, generator=g),
+        "router.weight": torch.randn(E, H, generator=g),
+        "router.bias": torch.randn(E, generator=g),
+    }
+    quantized = {
+        "experts.gate_up_proj_blocks": p1.unflatten(-1, (H // 32, 16)),
+        "experts.gate_up_proj_scales": s1,
+        "experts.down_proj_blocks": p2.unflatten(-1, (I // 32, 16)),
+        "experts.down_proj_scales": s2,
+        **common,
+    }
+    floats = {
+        "experts.gate_up_proj": dequantize_mxfp4(p1, s1).transpose(1, 2).contiguous(),
+        "experts.down_proj": dequantize_mxfp4(p2, s2).transpose(1, 2).contiguous(),
+        **common,
+    }
+    add = lambda sd: {PREFIX + k: v for k, v in sd.items()}  # noqa: E731
+    return cfg, add(quantized), add(floats)
+
+
+def test_mxfp4_bytes_decode_as_transformers_decodes_them():
+    """Our reading of gpt-oss's blocks and scales equals transformers' own MXFP4 dequantization."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    cfg, q, f = _gpt_oss_checkpoint()
+    theirs = convert_moe_packed_tensors(
+        q[PREFIX + "experts.gate_up_proj_blocks"], q[PREFIX + "experts.gate_up_proj_scales"], dtype=torch.float32
+    )
+    assert torch.equal(theirs, f[PREFIX + "experts.gate_up_proj"])
+
+
+def test_gpt_oss_mxfp4_checkpoint_from_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    cfg, q, f = _gpt_oss_checkpoint()
+    cfg.save_pretrained(tmp_path)
+    save_file(q, tmp_path / "model.safetensors")
+    layer = from_hf_state_dict(tmp_path, cfg, prefix=PREFIX, backend="torch")
+    assert layer.quant.mode == "mxfp4" and layer.w1.dtype == torch.uint8 and layer.gate.dtype == torch.float32
+    assert layer.w1.numel() == q[PREFIX + "experts.gate_up_proj_blocks"].numel()  # stored as the checkpoint stores it
+    ref = from_hf_state_dict(f, cfg, prefix=PREFIX, backend="torch")
+    x = torch.randn(11, cfg.hidden_size)
+    with torch.no_grad():
+        got, want = layer(x), ref(x)
+    assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 1e-5
+
+
+def _qwen3_fp8_checkpoint(block=(128, 128)):
+    cfg = tiny_config(
+        "qwen3_moe",
+        hidden_size=128,
+        moe_intermediate_size=128,
+        num_experts=4,
+        quantization_config={"quant_method": "fp8", "weight_block_size": list(block)},
+    )
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    g = torch.Generator().manual_seed(1)
+    w1q, w2q, s1, s2 = quantize_weights(
+        torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g), "fp8_block"
+    )
+    sd = {PREFIX + "gate.weight": torch.randn(E, H, generator=g) / H**0.5}
+    nb = I // block[0]
+    for e in range(E):
+        p = f"{PREFIX}experts.{e}."
+        sd.update(
+            {
+                p + "gate_proj.weight": w1q[e, :I],
+                p + "gate_proj.weight_scale_inv": s1[e, :nb],
+                p + "up_proj.weight": w1q[e, I:],
+                p + "up_proj.weight_scale_inv": s1[e, nb:],
+                p + "down_proj.weight": w2q[e],
+                p + "down_proj.weight_scale_inv": s2[e],
+            }
+        )
+    return cfg, sd, (w1q, w2q, s1, s2)
+
+
+def test_qwen3_fp8_block_checkpoint():
+    cfg, sd, (w1q, w2q, s1, s2) = _qwen3_fp8_checkpoint()
+    converted = convert_hf_state_dict(sd, cfg, PREFIX)
+    assert checkpoint_quant(converted, cfg).block_shape == (128, 128)
+    layer = from_hf_state_dict(sd, cfg, prefix=PREFIX, dtype=torch.float32, backend="triton")
+    assert layer.w1.dtype == FP8_DTYPE and torch.equal(layer.w1.view(torch.uint8), w1q.view(torch.uint8))
+    assert torch.equal(layer.w1_scale, s1) and torch.equal(layer.w2_scale, s2)
+    if not INTERPRETING:
+        pytest.skip("fp8 experts run in the Triton kernels: the CPU needs TRITON_INTERPRET=1")
+    x = torch.randn(7, cfg.hidden_size)
+    with torch.no_grad():
+        out = layer(x)
+        tw, ids = layer.route(x)
+    ref = fused_moe_reference(x, w1q, w2q, tw, ids, quant=layer.quant, w1_scale=s1, w2_scale=s2)
+    assert torch.isfinite(out).all() and (out.double() - ref).norm() / ref.norm() < 2e-2
+
+
+def test_fp8_checkpoint_needs_its_block_size():
+    cfg, sd, _ = _qwen3_fp8_checkpoint()
+    cfg.quantization_config = None
+    with pytest.raises(NotImplementedError, match="weight_block_size"):
+        from_hf_state_dict(sd, cfg, prefix=PREFIX)
