@@ -127,3 +127,60 @@ def test_fp8_checkpoint_needs_its_block_size():
     cfg.quantization_config = None
     with pytest.raises(NotImplementedError, match="weight_block_size"):
         from_hf_state_dict(sd, cfg, prefix=PREFIX)
+
+
+def _fp8_experts_module(implementation: str):
+    """transformers' own FP8Experts (what FineGrainedFP8 puts in a Qwen3-MoE-FP8 model), holding block-quantized
+    weights, dispatching through ``implementation``."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers.integrations.moe import use_experts_implementation
+
+    from fusedmoe.integrations.hf import register
+
+    register()
+    cfg, _, (w1q, w2q, s1, s2) = _qwen3_fp8_checkpoint()
+    cfg._experts_implementation = implementation
+    cls = use_experts_implementation(
+        experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS, has_bias=False, has_gate=True
+    )
+    m = cls(config=cfg, block_size=(128, 128))
+    with torch.no_grad():
+        for name, t in (
+            ("gate_up_proj", w1q),
+            ("down_proj", w2q),
+            ("gate_up_proj_scale_inv", s1),
+            ("down_proj_scale_inv", s2),
+        ):
+            getattr(m, name).copy_(t)
+    return m, cfg, (w1q, w2q, s1, s2)
+
+
+def test_transformers_fp8_experts_run_through_fusedmoe():
+    """experts_implementation="fusedmoe" on transformers' FP8Experts: fused_moe(quant="fp8_block") on its own
+    e4m3 weights and *_scale_inv, against the reference on them; a call needing a gradient falls back, warned."""
+    from unittest import mock
+
+    import fusedmoe.integrations.hf as hf
+
+    m, cfg, (w1q, w2q, s1, s2) = _fp8_experts_module("fusedmoe")
+    x = torch.randn(6, cfg.hidden_size)
+    tw = torch.rand(6, 2)
+    ids = torch.stack([torch.randperm(cfg.num_experts)[:2] for _ in range(6)])
+    calls = []
+    real = hf.fused_moe
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["quant"])
+        return real(*args, **{**kwargs, "backend": "triton" if INTERPRETING else "auto"})
+
+    with mock.patch.object(hf, "fused_moe", spy):
+        if not INTERPRETING:
+            pytest.skip("fp8 experts run in the Triton kernels: the CPU needs TRITON_INTERPRET=1")
+        with torch.no_grad():
+            out = m(x, ids, tw)
+    assert calls and calls[0].mode == "fp8_block" and calls[0].block_shape == (128, 128)
+    ref = fused_moe_reference(x, w1q, w2q, tw, ids, quant=calls[0], w1_scale=s1, w2_scale=s2)
+    assert (out.double() - ref).norm() / ref.norm() < 2e-2
+    assert hf.fp8_experts_unsupported(m) is None
+    m.activation_scheme = "static"
+    assert "static fp8 activation scales" in hf.fp8_experts_unsupported(m)

@@ -48,6 +48,7 @@ from ..checks import forbid_gradients
 from ..layer import FusedMoE
 from ..op import fused_moe_op, workspace_id
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from ..quant import FP8_DTYPE, QuantConfig
 from ..workspace.manager import WorkspaceManager
 from .loading import HF_ACTIVATIONS, SUPPORTED_MODEL_TYPES, gpt_oss_to_fused, hf_activation, layer_kwargs
 
@@ -217,6 +218,12 @@ def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
     except ImportError as err:  # pragma: no cover
         raise ImportError("fusedmoe.integrations.hf needs transformers>=5 (transformers.integrations.moe)") from err
     ExpertsInterface.register(name, fusedmoe_experts_forward)
+    try:  # transformers' fp8 experts (FineGrainedFP8) dispatch through an interface of their own
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+    else:
+        FP8ExpertsInterface.register(name, fusedmoe_fp8_experts_forward)
     _REGISTERED.add(name)
     _install_selection_check()
 
@@ -386,6 +393,74 @@ def _run_experts(
         w2_bias=b2,
     )
     return out.to(hidden_states.dtype)
+
+
+# ---- transformers' fp8 experts (FineGrainedFP8) -------------------------------------------------------------
+def fp8_experts_unsupported(experts: nn.Module) -> str | None:
+    """Why fusedmoe cannot compute transformers' ``FP8Experts`` module ``experts`` (block-scaled e4m3 weights with
+    ``*_scale_inv``, as FineGrainedFP8 loads Qwen3-MoE-FP8 and DeepSeek-V3), or None when it can."""
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False):
+        return "ungated experts and expert biases are not supported with fp8 weights"
+    if getattr(experts, "activation_scheme", "dynamic") != "dynamic":
+        return "static fp8 activation scales are not supported (fusedmoe quantizes activations per token group)"
+    if getattr(experts, "gate_softcap", None) is not None:
+        return "softcapped gates are not supported"
+    w, s = experts.gate_up_proj, experts.gate_up_proj_scale_inv
+    if w.dtype != FP8_DTYPE or s.dtype != torch.float32:
+        return f"weights {w.dtype} with {s.dtype} scales: fusedmoe takes float8_e4m3fn with float32 scales"
+    block = getattr(experts, "block_size", None)
+    if block is None:
+        return "fp8 experts without a weight block size are not supported"
+    bn, bk = block
+    E, two_i, H = w.shape
+    if tuple(s.shape) != (E, -(-two_i // bn), -(-H // bk)):
+        return f"gate_up_proj_scale_inv {list(s.shape)} is not one scale per {bn}x{bk} block of {list(w.shape)}"
+    alpha = getattr(experts, "swiglu_alpha", None)
+    if alpha is not None and (alpha, experts.swiglu_limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+        return f"swiglu alpha={alpha}, limit={experts.swiglu_limit} differ from fusedmoe's swigluoai"
+    if alpha is None:
+        try:
+            hf_activation(getattr(getattr(experts, "config", None), "hidden_act", "silu"))
+        except NotImplementedError as err:
+            return str(err)
+    return None
+
+
+def fusedmoe_fp8_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The experts contract for transformers' ``FP8Experts`` (registered in its ``FP8ExpertsInterface`` by
+    :func:`register`): ``fused_moe(quant="fp8_block")`` on the module's e4m3 weights and ``*_scale_inv`` block
+    scales. Modules it cannot compute, and calls that need a gradient (fusedmoe's quantized experts have no
+    backward), run the class's own forward, with a warning naming the reason."""
+    reason = fp8_experts_unsupported(self) or _dtype_unsupported(hidden_states.dtype)
+    if reason is None and torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+        reason = "a gradient is needed and fusedmoe's fp8 experts have no backward"
+    if reason is not None:
+        _warn_once(
+            self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' fp8 experts", reason
+        )
+        return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+    if self.swiglu_alpha is not None:
+        activation = "swigluoai"
+    else:
+        activation = hf_activation(getattr(getattr(self, "config", None), "hidden_act", "silu"))
+    if top_k_weights.shape != top_k_index.shape:
+        top_k_weights = top_k_weights.gather(1, top_k_index.long())
+    run = fused_moe_op if torch.compiler.is_compiling() else fused_moe
+    return run(
+        hidden_states,
+        self.gate_up_proj.detach(),  # quantized weights and their scales take no gradient
+        self.down_proj.detach(),
+        top_k_weights.float(),
+        top_k_index,
+        activation=activation,
+        quant=QuantConfig("fp8_block", block_shape=tuple(self.block_size)),
+        w1_scale=self.gate_up_proj_scale_inv.detach(),
+        w2_scale=self.down_proj_scale_inv.detach(),
+        workspace=getattr(self, "_fusedmoe_workspace", None),
+        backend=getattr(self, "_fusedmoe_backend", "auto"),
+    )
 
 
 # ---- whole-block patching ------------------------------------------------------------------------------------
