@@ -155,7 +155,7 @@ class FusedMoE(nn.Module):
         if self.quant is not None and self._parallel is not None:
             raise ValueError(
                 f"quant={self.quant.name!r}: quantized FusedMoE layers run the standard layout without ep_group "
-                "for now (fused_moe takes quantized weights in every layout)"
+                "for now (layout='standard', ep_group=None, no max_tokens_per_expert)"
             )
         for name, (shape, wdtype) in quantized_weight_layout(self.quant, El, H, I, dtype).items():
             t = torch.empty(shape, dtype=wdtype, device=device) if shape is not None else None
@@ -196,14 +196,14 @@ class FusedMoE(nn.Module):
             if self.quant is None:
                 for p, fan_in in ((self.w1, H), (self.w2, I)):
                     p.normal_(0.0, 1.0 / math.sqrt(fan_in))
-            else:  # random float weights, quantized
-                El, dev = self.num_local_experts, self.gate.device
-                w1 = torch.randn(El, 2 * I, H, device=dev) / math.sqrt(H)
-                w2 = torch.randn(El, H, I, device=dev) / math.sqrt(I)
-                for dst, src in zip(
-                    (self.w1, self.w2, self.w1_scale, self.w2_scale), quantize_weights(w1, w2, self.quant)
-                ):
-                    dst.copy_(src)
+            else:  # random float weights, quantized one expert at a time (bounds the float32 temporaries)
+                dev = self.gate.device
+                for e in range(self.num_local_experts):
+                    w1 = torch.randn(1, 2 * I, H, device=dev) / math.sqrt(H)
+                    w2 = torch.randn(1, H, I, device=dev) / math.sqrt(I)
+                    quantized = quantize_weights(w1, w2, self.quant)
+                    for dst, src in zip((self.w1, self.w2, self.w1_scale, self.w2_scale), quantized):
+                        dst[e : e + 1].copy_(src)
             self.gate.normal_(0.0, 1.0 / math.sqrt(H))
             if self.num_shared_experts:
                 self.shared_w1.normal_(0.0, 1.0 / math.sqrt(H))
