@@ -298,3 +298,16 @@ def test_fused_moe_mxfp4_validation_names_the_argument():
         fused_moe(x[:, :32], w1, w2, tw, ids, **kw)
     with pytest.raises(GradientNotSupportedError, match=r"quantized calls \(fp8, mxfp4\) have no backward"):
         fused_moe(x.requires_grad_(), w1, w2, tw, ids, backend="torch", **kw)
+
+
+def test_mxfp4_never_takes_an_fp8_table():
+    """The shipped H200 tables are tuned for bf16 and fp8 operands; MXFP4 (bf16 activations, decoded weights)
+    looks for tables of its own and, finding none, uses the heuristic with K tiles of whole scale groups."""
+    from fusedmoe.ops.configs import config_file_name, get_config, heuristic_config, load_table
+
+    assert config_file_name(32, 2880, "NVIDIA_H200", "mxfp4").endswith(",dtype=mxfp4_w4a16.json")
+    assert load_table(32, 2880, "NVIDIA_H200", "fp8_tensor") is not None  # gpt-oss-20b's fp8 table exists
+    assert load_table(32, 2880, "NVIDIA_H200", "mxfp4") is None
+    for M in (1, 64, 4096):
+        cfg = get_config(M, 32, 2880, 2880, 4, quant_mode="mxfp4", device="NVIDIA_H200")
+        assert cfg == heuristic_config(M, 32, 2880, 2880, 4, "mxfp4")

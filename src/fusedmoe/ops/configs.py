@@ -111,9 +111,12 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 def quant_suffix(quant_mode: str | None, block_shape: BlockShape | None = None) -> str:
     """vLLM's suffixes (``dtype=fp8_w8a8`` is per-tensor, as vLLM tunes it) plus ``,per_token`` for per-token
-    activation x per-channel weight scales, which vLLM's file names do not tell apart."""
+    activation x per-channel weight scales, which vLLM's file names do not tell apart; ``dtype=mxfp4_w4a16`` for
+    MXFP4 weights (so they never pick up an fp8 table)."""
     if quant_mode is None:
         return ""
+    if quant_mode == "mxfp4":  # weight-only FP4 (w4a16): tables of its own, none shipped yet
+        return ",dtype=mxfp4_w4a16"
     s = ",dtype=fp8_w8a8"
     if quant_mode == "fp8_block":
         bn, bk = block_shape or (128, 128)
