@@ -13,7 +13,7 @@ import os
 import torch
 
 from .problem import ACTIVATIONS, MoEProblem
-from .quant import FP8_DTYPE, QuantConfig
+from .quant import FP8_DTYPE, QuantConfig, quantized_layout
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHECK_LEVELS = ("basic", "full")
@@ -108,20 +108,11 @@ def check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, de
     if quant.mode == "mxfp4":
         _check_mxfp4(w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device)
         return
-    E, two_i, H = w1.shape
-    I = w2.shape[2]
     if w1.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
         raise TypeError(f"quant={quant.name!r} needs w1 and w2 in {FP8_DTYPE}, got {w1.dtype} and {w2.dtype}")
-    if quant.mode == "fp8_tensor":
-        _check_scale("w1_scale", w1_scale, (E,), device)
-        _check_scale("w2_scale", w2_scale, (E,), device)
-    elif quant.mode == "fp8_token":
-        _check_scale("w1_scale", w1_scale, (E, two_i), device)
-        _check_scale("w2_scale", w2_scale, (E, H), device)
-    else:
-        bn, bk = quant.block_shape
-        _check_scale("w1_scale", w1_scale, (E, -(-two_i // bn), -(-H // bk)), device)
-        _check_scale("w2_scale", w2_scale, (E, -(-H // bn), -(-I // bk)), device)
+    layout = quantized_layout(quant, w1.shape[0], w1.shape[2], w2.shape[2])
+    _check_scale("w1_scale", w1_scale, layout["w1_scale"][0], device)
+    _check_scale("w2_scale", w2_scale, layout["w2_scale"][0], device)
     if quant.static_activation_scale:
         _check_scale("a1_scale", a1_scale, (1,), device)
         _check_scale("a2_scale", a2_scale, (1,), device)

@@ -15,7 +15,7 @@ from .experts.base import ExpertsInputs
 from .ops import launcher
 from .ops.launcher import UNSEEN, Replays
 from .problem import MoEProblem, Routing
-from .quant import FP8_DTYPE, QuantConfig, quantize_weights
+from .quant import QuantConfig, quantize_weights, quantized_layout
 from .reference import activation_reference
 from .routing import fused_routing_applies, route
 from .signature import input_signature
@@ -23,34 +23,6 @@ from .workspace.manager import WorkspaceManager, current_stream, default_manager
 from .workspace.plan import WorkspacePlan
 
 _LAYER_IDS = itertools.count()
-
-
-def quantized_weight_layout(quant: QuantConfig | None, E: int, H: int, I: int, dtype: torch.dtype | None) -> dict:
-    """{name: (shape, dtype)} of a layer's expert weights and their scales (shape None: no such tensor) for
-    ``quant`` (see :mod:`fusedmoe.quant`): the checkpoints' quantized layouts, w1 [E, 2I, H] and w2 [E, H, I]
-    as stored (MXFP4: two elements per byte along the last axis)."""
-    if quant is None:
-        dt = dtype or torch.get_default_dtype()
-        return {"w1": ((E, 2 * I, H), dt), "w2": ((E, H, I), dt), "w1_scale": (None, None), "w2_scale": (None, None)}
-    if quant.mode == "mxfp4":
-        if H % 32 or I % 32:
-            raise ValueError(f"quant='mxfp4' needs hidden_size and intermediate_size divisible by 32, got {H}, {I}")
-        u8 = torch.uint8
-        return {
-            "w1": ((E, 2 * I, H // 2), u8),
-            "w2": ((E, H, I // 2), u8),
-            "w1_scale": ((E, 2 * I, H // 32), u8),
-            "w2_scale": ((E, H, I // 32), u8),
-        }
-    if quant.mode == "fp8_tensor":
-        s1, s2 = (E,), (E,)
-    elif quant.mode == "fp8_token":
-        s1, s2 = (E, 2 * I), (E, H)
-    else:
-        bn, bk = quant.block_shape
-        s1, s2 = (E, -(-2 * I // bn), -(-H // bk)), (E, -(-H // bn), -(-I // bk))
-    f8, f32 = FP8_DTYPE, torch.float32
-    return {"w1": ((E, 2 * I, H), f8), "w2": ((E, H, I), f8), "w1_scale": (s1, f32), "w2_scale": (s2, f32)}
 
 
 class FusedMoE(nn.Module):
@@ -68,7 +40,7 @@ class FusedMoE(nn.Module):
     ``workspace`` is the WorkspaceManager to draw scratch from (default: the device's shared manager); all
     layers of a model should share one. ``quant`` (a mode of :mod:`fusedmoe.quant`: "fp8_tensor",
     "fp8_token", "fp8_block" or "mxfp4") stores the experts quantized: ``w1`` / ``w2`` in the mode's dtype and
-    layout plus ``w1_scale`` / ``w2_scale`` (:func:`quantized_weight_layout`); activations, router and shared
+    layout plus ``w1_scale`` / ``w2_scale`` (:func:`fusedmoe.quant.quantized_layout`); activations, router and shared
     experts stay in ``dtype``. ``recompute`` (training): recompute the experts' GEMM1 output in the
     backward instead of keeping it from the forward (less memory, a slower backward; docs/training.md).
     """
@@ -157,9 +129,15 @@ class FusedMoE(nn.Module):
                 f"quant={self.quant.name!r}: quantized FusedMoE layers run the standard layout without ep_group "
                 "for now (layout='standard', ep_group=None, no max_tokens_per_expert)"
             )
-        for name, (shape, wdtype) in quantized_weight_layout(self.quant, El, H, I, dtype).items():
-            t = torch.empty(shape, dtype=wdtype, device=device) if shape is not None else None
-            self.register_parameter(name, nn.Parameter(t, requires_grad=False) if t is not None else None)
+        if self.quant is None:
+            self.w1 = nn.Parameter(torch.empty(El, 2 * I, H, **factory), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(El, H, I, **factory), requires_grad=False)
+            self.register_parameter("w1_scale", None)
+            self.register_parameter("w2_scale", None)
+        else:  # the experts as the checkpoint stores them (fusedmoe.quant.quantized_layout)
+            for name, (shape, wdtype) in quantized_layout(self.quant, El, H, I).items():
+                t = torch.empty(shape, dtype=wdtype, device=device)
+                self.register_parameter(name, nn.Parameter(t, requires_grad=False))
         self.gate = nn.Parameter(torch.empty(E, H, **factory), requires_grad=False)
         # Optional biases (gpt-oss): router logits = x @ gate.T + gate_bias; w1_bias [E, 2I], w2_bias [E, H].
         for name, shape, on in (

@@ -68,6 +68,38 @@ class QuantConfig:
         return self.mode in FP8_MODES
 
 
+def quantized_layout(quant: QuantConfig, E: int, H: int, I: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{"w1", "w2", "w1_scale", "w2_scale": (shape, dtype)}`` of ``quant``'s expert weights for E experts of
+    hidden size H and intermediate size I, as ``fused_moe`` takes them (the checkpoints' layouts; MXFP4 packs
+    two elements per byte along the last axis, so H and I must be multiples of 32)."""
+    if quant.mode == "mxfp4":
+        from .mxfp4 import GROUP
+
+        if H % GROUP or I % GROUP:
+            raise ValueError(f"quant='mxfp4' needs hidden and intermediate sizes divisible by {GROUP}, got {H}, {I}")
+        u8 = torch.uint8
+        return {
+            "w1": ((E, 2 * I, H // 2), u8),
+            "w2": ((E, H, I // 2), u8),
+            "w1_scale": ((E, 2 * I, H // GROUP), u8),
+            "w2_scale": ((E, H, I // GROUP), u8),
+        }
+    if quant.mode == "fp8_tensor":
+        s1, s2 = (E,), (E,)
+    elif quant.mode == "fp8_token":
+        s1, s2 = (E, 2 * I), (E, H)
+    else:
+        bn, bk = quant.block_shape
+        s1, s2 = (E, -(-2 * I // bn), -(-H // bk)), (E, -(-H // bn), -(-I // bk))
+    f32 = torch.float32
+    return {
+        "w1": ((E, 2 * I, H), FP8_DTYPE),
+        "w2": ((E, H, I), FP8_DTYPE),
+        "w1_scale": (s1, f32),
+        "w2_scale": (s2, f32),
+    }
+
+
 # ---- torch helpers (CPU-safe) ---------------------------------------------------------------------------------
 #: Floor of an amax before it becomes a scale, so an all-zero group gets a finite, non-zero scale.
 #: The Triton quantization kernels use the same constant and the same rule: scale = max(amax, MIN_AMAX) / FP8_MAX,

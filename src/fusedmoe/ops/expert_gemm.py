@@ -32,11 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..mxfp4 import GROUP as MXFP4_GROUP  # weight elements per e8m0 scale
 from .configs import GemmConfig
 
 QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
-#: Weight elements per e8m0 scale of MXFP4 (OCP Microscaling).
-MXFP4_GROUP = 32
+
 #: Gated activations of GEMM1's epilogue (``_activate``).
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}
 # gpt-oss's clamped SwiGLU (fusedmoe.problem.SWIGLUOAI_ALPHA / SWIGLUOAI_LIMIT)
@@ -167,8 +167,7 @@ def _k_loop_dense(
     EVEN_K: tl.constexpr,
 ):
     """The K loop of one tile of ``expert`` with dense (or fp8) weights: ``(acc_g, acc_u)``, fp32 [BLOCK_M,
-    BLOCK_N] (the lengths of ``rows``
-    and ``offs_nw``), scaled back from fp8 by ``QUANT``.
+    BLOCK_N] (the lengths of ``rows`` and ``offs_nw``), scaled back from fp8 by ``QUANT``.
 
     Operands (tuples of runtime values; ``*_e`` strides step from one expert to the next):
 

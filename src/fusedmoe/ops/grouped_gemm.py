@@ -279,8 +279,8 @@ def moe_gemm1(
         topk_weights,
         bias,
         numerics,
-        False,
-        preact,
+        a_sorted=False,
+        preact=preact,
     )
 
 
