@@ -176,6 +176,52 @@ def test_batched_gemms_mxfp4_match_dequantized(device, dtype):
     assert out[0][1].eq(0).all()  # the idle expert's rows are not written
 
 
+def test_mxfp4_dot_choice(monkeypatch):
+    """bf16/fp16 on the GPU take tl.dot_scaled; float32, the interpreter and the diagnostic switch decode."""
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(ENV_MXFP4_DOT, raising=False)
+    assert mxfp4_quant_code(torch.bfloat16) == mxfp4_quant_code(torch.float16) == MXFP4_SCALED_DOT
+    assert mxfp4_quant_code(torch.float32) == QUANT_CODES["mxfp4"]
+    monkeypatch.setenv(ENV_MXFP4_DOT, "decode")
+    assert mxfp4_quant_code(torch.bfloat16) == QUANT_CODES["mxfp4"]
+    monkeypatch.delenv(ENV_MXFP4_DOT)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert mxfp4_quant_code(torch.bfloat16) == QUANT_CODES["mxfp4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_k", [32, 64, 128])
+def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
+    """The two MXFP4 K loops on the GPU (tl.dot_scaled; register decode) give the same GEMM1 within rounding,
+    with a K tail (H = 96 + 64) and N not a multiple of the tile."""
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    M, k, E, H, I = 37, 2, 3, 160, 40
+    cfg = GemmConfig(16, 32, block_k)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int().cuda()
+    s, b, _ = moe_align(ids, E, cfg.block_m)
+    nb = grid_blocks(M * k, align_params(M * k, E, cfg.block_m).max_blocks)
+    x = torch.randn(M, H, generator=g).to("cuda", dtype)
+    packed, scales, w1 = _mx(torch.randn(E, 2 * I, H, generator=g), "cuda")
+    outs = {}
+    for path in ("scaled", "decode"):
+        monkeypatch.setenv(ENV_MXFP4_DOT, path)
+        out = torch.full((M * k, I), float("nan"), device="cuda", dtype=dtype)
+        num = Numerics(mode="mxfp4", w_scale=scales)
+        moe_gemm1(x, packed, out, s, b, top_k=k, num_blocks=nb, config=cfg, activation="silu", numerics=num)
+        outs[path] = out.float()
+    ref = torch.empty(M * k, I, device="cuda", dtype=dtype)
+    moe_gemm1(x, w1.to("cuda", dtype), ref, s, b, top_k=k, num_blocks=nb, config=cfg, activation="silu")
+    for got in outs.values():
+        assert torch.isfinite(got).all() and (got - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
 @interpreter
 def test_gemm_mxfp4_rejects_bad_operands():
     device = "cpu"

@@ -17,6 +17,9 @@ All choices are constexprs, so every kernel compiles to the code it had with the
 fp8 (e4m3, w8a8) scales by ``QUANT`` (codes of :data:`QUANT_CODES`):
   1 ``fp8_tensor``: acc * a_scale[0] * w_scale[e];   2 ``fp8_token``: acc * a_scale[row] * w_scale[e, col];
   3 ``fp8_block``: per K tile (BLOCK_K divides the group), acc += dot * a_scale[row, kg] * w_scale[e, col//gn, kg].
+MXFP4 weights (w4a16) by ``QUANT`` 4 (decoded in registers with float arithmetic: float32 activations and the CPU
+interpreter) or 5 (``tl.dot_scaled``, whose compiler-generated upcast is far cheaper: bf16/fp16 on the GPU);
+:func:`mxfp4_quant_code` picks.
 
 The host half: :class:`Numerics` (quantization mode, scales, scale groups and fp32 dot precision of a GEMM's
 operands, as the op wrappers take them), :func:`check_operands` (the dtype and scale rules of every wrapper),
@@ -26,6 +29,7 @@ operands, as the op wrappers take them), :func:`check_operands` (the dtype and s
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -36,6 +40,10 @@ from ..mxfp4 import GROUP as MXFP4_GROUP  # weight elements per e8m0 scale
 from .configs import GemmConfig
 
 QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
+#: The kernel code of MXFP4 through ``tl.dot_scaled`` (see :func:`mxfp4_quant_code`).
+MXFP4_SCALED_DOT = 5
+#: Diagnostic switch: ``FUSEDMOE_MXFP4_DOT=decode`` keeps MXFP4 on the register decode everywhere (to compare).
+ENV_MXFP4_DOT = "FUSEDMOE_MXFP4_DOT"
 
 #: Gated activations of GEMM1's epilogue (``_activate``).
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2, "gelu_exact": 3}
@@ -89,9 +97,12 @@ def k_loop(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """The K loop of one tile: :func:`_k_loop_mxfp4` for MXFP4 weights (QUANT 4), else :func:`_k_loop_dense`."""
+    """The K loop of one tile: :func:`_k_loop_mxfp4` (QUANT 4) or :func:`_k_loop_mxfp4_scaled` (QUANT 5) for
+    MXFP4 weights, else :func:`_k_loop_dense`."""
     if QUANT == 4:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE)
+    elif QUANT == 5:
+        acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
     else:
         acc_g, acc_u = _k_loop_dense(
             a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K
@@ -149,6 +160,48 @@ def _mxfp4_dots(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr):
     hi = (_e2m1(b >> 4) * scale).to(a_e.dtype)
     acc = _mma(a_e, lo, acc, IEEE)
     return _mma(a_o, hi, acc, IEEE)
+
+
+@triton.jit
+def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """:func:`_k_loop_mxfp4` through ``tl.dot_scaled``: the same operands (bf16 or fp16 activations), each K tile
+    one scaled dot per accumulator on the packed bytes [BLOCK_K / 2, BLOCK_N] and their e8m0 scales
+    [BLOCK_N, BLOCK_K / 32]; the compiler upcasts the e2m1 pairs to the activation dtype."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, HALF)
+    offs_s = tl.arange(0, GROUPS)
+    e64 = expert.to(tl.int64)
+    a_ptrs = a_ptr + e64 * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    g_ptrs = w_ptr + e64 * stride_we + offs_nw[None, :] * stride_wn + offs_j[:, None] * stride_wk
+    gs_ptrs = w_scale_ptr + e64 * stride_wse + offs_nw[:, None] * stride_wsn + offs_s[None, :] * stride_wsk
+    acc_g = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    acc_u = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kt * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < k_left)[None, :], other=0.0)
+        j_ok = (offs_j < k_left // 2)[:, None]
+        s_ok = (offs_s < k_left // 32)[None, :]
+        acc_g = _scaled_dot(a, tl.load(g_ptrs, mask=j_ok, other=0), tl.load(gs_ptrs, mask=s_ok, other=127), acc_g)
+        if GATED:
+            u = tl.load(g_ptrs + N * stride_wn, mask=j_ok, other=0)
+            acc_u = _scaled_dot(a, u, tl.load(gs_ptrs + N * stride_wsn, mask=s_ok, other=127), acc_u)
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += HALF * stride_wk
+        gs_ptrs += GROUPS * stride_wsk
+    return acc_g, acc_u
+
+
+@triton.jit
+def _scaled_dot(a, w_bytes, w_scales, acc):
+    """``acc + a @ decode(w_bytes, w_scales)`` for bf16 or fp16 ``a``."""
+    if a.dtype == tl.float16:
+        return tl.dot_scaled(a, None, "fp16", w_bytes, w_scales, "e2m1", acc)
+    return tl.dot_scaled(a, None, "bf16", w_bytes, w_scales, "e2m1", acc)
 
 
 @triton.jit
@@ -373,6 +426,15 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
     return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
 
+def mxfp4_quant_code(dtype: torch.dtype) -> int:
+    """The kernel code of MXFP4 weights with ``dtype`` activations: 5 (``tl.dot_scaled``) for bf16/fp16 on the
+    GPU, else 4 (register decode: float32, the CPU interpreter, which has no ``dot_scaled``, or
+    ``FUSEDMOE_MXFP4_DOT=decode``)."""
+    if dtype not in (torch.bfloat16, torch.float16) or os.environ.get("TRITON_INTERPRET") == "1":
+        return QUANT_CODES["mxfp4"]
+    return QUANT_CODES["mxfp4"] if os.environ.get(ENV_MXFP4_DOT) == "decode" else MXFP4_SCALED_DOT
+
+
 def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, activation: str | None) -> dict:
     """The constexprs and launch options every expert GEMM takes: tiles and launch settings of ``config``,
     quantization of ``num``, IEEE dots (``dtype``: the activations'), ``EVEN_K`` (``K``: the reduction length),
@@ -381,7 +443,7 @@ def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, act
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
-        "QUANT": QUANT_CODES[num.mode],
+        "QUANT": mxfp4_quant_code(dtype) if num.mode == "mxfp4" else QUANT_CODES[num.mode],
         "GROUP_N": num.block_shape[0],
         "GROUP_K": num.block_shape[1],
         "GATED": activation is not None,

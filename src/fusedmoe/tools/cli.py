@@ -133,7 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--h", type=int, help="hidden size")
     bench.add_argument("--i", type=int, help="intermediate size per expert")
     bench.add_argument("--tokens", type=_parse_tokens, help="comma-separated token counts")
-    bench.add_argument("--dtype", default="bf16", help="bf16 or an fp8 mode: fp8_tensor, fp8_token, fp8_block")
+    bench.add_argument(
+        "--dtype",
+        "--quant",
+        dest="dtype",
+        default="bf16",
+        help="bf16 or a quantized weight mode: fp8_tensor, fp8_token, fp8_block, mxfp4 (kernel: its rows sit beside "
+        "triton_bf16, our bf16 call on the same shape)",
+    )
     bench.add_argument("--backends", default=None, help="comma-separated backends to compare")
     bench.add_argument("--layers", type=int, help="layers of the stack (decode; CPU strategy table)")
     bench.add_argument("--steps", type=int, help="timed steps (decode; CPU strategy table)")

@@ -100,6 +100,16 @@ PRESETS: dict[str, Preset] = {
             scoring="softmax_topk",
             note="gpt-oss uses a clamped SwiGLU with biases; shapes only",
         ),
+        Preset(
+            "gpt-oss-120b",
+            128,
+            4,
+            2880,
+            2880,
+            36,
+            scoring="softmax_topk",
+            note="gpt-oss uses a clamped SwiGLU with biases; shapes only",
+        ),
     )
 }
 

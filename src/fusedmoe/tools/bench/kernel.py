@@ -73,6 +73,17 @@ def _weights(shape: Shape, dtype: str, device):
     return w1, w2, quantized
 
 
+def _weight_bytes(quantized: dict | None) -> float:
+    """Bytes per weight element as stored, scales included: bf16 2, fp8 1, MXFP4 1/2 + 1/32 (a byte per 32)."""
+    if not quantized:
+        return 2.0
+    if quantized["quant"].mode == "mxfp4":
+        from ...mxfp4 import GROUP
+
+        return 0.5 + 1.0 / GROUP
+    return 1.0
+
+
 def _expert_map(shape: Shape, device):
     if shape.local_experts == shape.num_experts:
         return None
@@ -85,7 +96,10 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     shape = shape_from_args(args)
     tokens = args.tokens or DEFAULT_TOKENS
-    backends = (args.backends or "triton,triton_op,grouped_mm,hf_grouped_mm,hf_batched_mm,torch").split(",")
+    default_backends = "triton,triton_op,grouped_mm,hf_grouped_mm,hf_batched_mm,torch"
+    if args.dtype != "bf16":  # a quantized sweep sits beside our own bf16 call on the same shape
+        default_backends = "triton,triton_bf16,triton_op,grouped_mm,torch"
+    backends = (args.backends or default_backends).split(",")
     env = report.environment()
     print(f"{env.get('gpu')} | torch {env['torch']} | triton {env.get('triton')} | commit {env.get('commit')}")
     ceil = floors.measure_ceilings(device)
@@ -96,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
     w1, w2, quantized = _weights(shape, args.dtype, device)
     expert_map = _expert_map(shape, device)
     manager = WorkspaceManager(device, strategy="shared")
-    weight_bytes = 1 if quantized else 2
+    weight_bytes = _weight_bytes(quantized)
+    fp8 = bool(quantized) and quantized["quant"].fp8
     rows, results = [], []
     for M in tokens:
         gen = torch.Generator(device=device).manual_seed(M)
@@ -108,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
         routed = [route(lg, shape.top_k, **shape.routing) for lg in logits]
         distinct = sum(_distinct_local(ids, expert_map) for _, ids in routed) / len(routed)
         floor_us, bytes_moved, bound = floors.layer_floor_us(
-            distinct, M, shape.top_k, shape.hidden, shape.inter, weight_bytes, ceil, fp8=bool(quantized)
+            distinct, M, shape.top_k, shape.hidden, shape.inter, weight_bytes, ceil, fp8=fp8
         )
         flops = 2 * M * shape.top_k * 3 * shape.hidden * shape.inter
         times: dict[str, float] = {}
@@ -246,6 +261,8 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
                 return inner(lg)
 
         return call
+    if backend == "triton_bf16":  # our bf16 call beside a quantized sweep (the weights it was quantized from)
+        return _make_call("triton", shape, x, w1, w2, None, expert_map, manager) if quantized else None
     if backend in ("triton", "triton_op", "torch"):
         if backend == "torch" and quantized:
             return None
