@@ -177,13 +177,13 @@ def test_batched_gemms_mxfp4_match_dequantized(device, dtype):
 
 
 def test_mxfp4_dot_choice(monkeypatch):
-    """bf16/fp16 on the GPU take tl.dot_scaled; float32, the interpreter and the diagnostic switch decode."""
+    """bf16 on the GPU takes tl.dot_scaled; float32, fp16, the interpreter and the diagnostic switch decode."""
     from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(ENV_MXFP4_DOT, raising=False)
-    assert mxfp4_quant_code(torch.bfloat16) == mxfp4_quant_code(torch.float16) == MXFP4_SCALED_DOT
-    assert mxfp4_quant_code(torch.float32) == QUANT_CODES["mxfp4"]
+    assert mxfp4_quant_code(torch.bfloat16) == MXFP4_SCALED_DOT
+    assert mxfp4_quant_code(torch.float32) == mxfp4_quant_code(torch.float16) == QUANT_CODES["mxfp4"]
     monkeypatch.setenv(ENV_MXFP4_DOT, "decode")
     assert mxfp4_quant_code(torch.bfloat16) == QUANT_CODES["mxfp4"]
     monkeypatch.delenv(ENV_MXFP4_DOT)
@@ -195,8 +195,8 @@ def test_mxfp4_dot_choice(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_k", [32, 64, 128])
 def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
-    """The two MXFP4 K loops on the GPU (tl.dot_scaled; register decode) give the same GEMM1 within rounding,
-    with a K tail (H = 96 + 64) and N not a multiple of the tile."""
+    """The MXFP4 K loops on the GPU (bf16: tl.dot_scaled, then the register decode; fp16: the decode) match
+    GEMM1 on the dequantized weights, with a K tail (H = 96 + 64) and N not a multiple of the tile."""
     from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT
 
     if not torch.cuda.is_available():

@@ -18,7 +18,7 @@ fp8 (e4m3, w8a8) scales by ``QUANT`` (codes of :data:`QUANT_CODES`):
   1 ``fp8_tensor``: acc * a_scale[0] * w_scale[e];   2 ``fp8_token``: acc * a_scale[row] * w_scale[e, col];
   3 ``fp8_block``: per K tile (BLOCK_K divides the group), acc += dot * a_scale[row, kg] * w_scale[e, col//gn, kg].
 MXFP4 weights (w4a16) by ``QUANT`` 4 (decoded in registers with float arithmetic: float32 activations and the CPU
-interpreter) or 5 (``tl.dot_scaled``, whose compiler-generated upcast is far cheaper: bf16/fp16 on the GPU);
+interpreter) or 5 (``tl.dot_scaled``, whose compiler-generated upcast is cheaper: bf16 on the GPU);
 :func:`mxfp4_quant_code` picks.
 
 The host half: :class:`Numerics` (quantization mode, scales, scale groups and fp32 dot precision of a GEMM's
@@ -166,7 +166,7 @@ def _mxfp4_dots(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr):
 def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
     """:func:`_k_loop_mxfp4` through ``tl.dot_scaled``: the same operands (bf16 or fp16 activations), each K tile
     one scaled dot per accumulator on the packed bytes [BLOCK_K / 2, BLOCK_N] and their e8m0 scales
-    [BLOCK_N, BLOCK_K / 32]; the compiler upcasts the e2m1 pairs to the activation dtype."""
+    [BLOCK_N, BLOCK_K / 32]; the compiler upcasts the e2m1 pairs to bf16 (the activations' dtype)."""
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
     a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
@@ -198,9 +198,7 @@ def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constex
 
 @triton.jit
 def _scaled_dot(a, w_bytes, w_scales, acc):
-    """``acc + a @ decode(w_bytes, w_scales)`` for bf16 or fp16 ``a``."""
-    if a.dtype == tl.float16:
-        return tl.dot_scaled(a, None, "fp16", w_bytes, w_scales, "e2m1", acc)
+    """``acc + a @ decode(w_bytes, w_scales)`` for bf16 ``a`` (Triton 3.6 fails to compile the fp16 form)."""
     return tl.dot_scaled(a, None, "bf16", w_bytes, w_scales, "e2m1", acc)
 
 
@@ -427,10 +425,10 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
 
 
 def mxfp4_quant_code(dtype: torch.dtype) -> int:
-    """The kernel code of MXFP4 weights with ``dtype`` activations: 5 (``tl.dot_scaled``) for bf16/fp16 on the
-    GPU, else 4 (register decode: float32, the CPU interpreter, which has no ``dot_scaled``, or
-    ``FUSEDMOE_MXFP4_DOT=decode``)."""
-    if dtype not in (torch.bfloat16, torch.float16) or os.environ.get("TRITON_INTERPRET") == "1":
+    """The kernel code of MXFP4 weights with ``dtype`` activations: 5 (``tl.dot_scaled``) for bf16 on the GPU,
+    else 4 (register decode: float32 and fp16, which Triton 3.6's ``dot_scaled`` does not compile; the CPU
+    interpreter, which has no ``dot_scaled``; or ``FUSEDMOE_MXFP4_DOT=decode``)."""
+    if dtype != torch.bfloat16 or os.environ.get("TRITON_INTERPRET") == "1":
         return QUANT_CODES["mxfp4"]
     return QUANT_CODES["mxfp4"] if os.environ.get(ENV_MXFP4_DOT) == "decode" else MXFP4_SCALED_DOT
 

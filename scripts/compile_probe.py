@@ -1,0 +1,99 @@
+"""Compile the expert GEMM (``_moe_gemm``) for Hopper (sm_90) on this machine, no GPU needed, and print what the
+compiler made of it: the dot instruction (wgmma or mma.sync), asynchronous copies (pipelined loads), layout
+conversions, shared memory and registers/spills (from ptxas). For comparing K-loop variants before spending
+GPU time. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128] [--warps 4]
+[--stages 3] [--gated 1] [--dump DIR]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fusedmoe.ops.grouped_gemm import _moe_gemm  # noqa: E402
+
+POINTERS = ("a_ptr", "w_ptr", "out_ptr", "sorted_ptr", "block_expert_ptr", "topk_w_ptr", "a_scale_ptr")
+POINTERS += ("w_scale_ptr", "bias_ptr")
+
+
+UNIT_STRIDES = ("stride_ak", "stride_wk", "stride_on", "stride_wsk", "stride_bn")
+
+
+def _aligned(name: str, kind: str) -> bool:
+    """Pointers, and ints a launch at the model shapes finds divisible by 16 (N, K and strides; not the
+    unspecialized n_slots, num_pid_m, nor top_k)."""
+    return kind.startswith("*") or (kind == "i32" and name not in ("n_slots", "num_pid_m", "top_k"))
+
+
+def signature(quant: int) -> dict[str, str]:
+    types = {"a_ptr": "*bf16", "w_ptr": "*u8" if quant >= 4 else "*bf16", "out_ptr": "*bf16"}
+    types |= {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "a_scale_ptr": "*fp32"}
+    types |= {"w_scale_ptr": "*u8" if quant >= 4 else "*fp32", "bias_ptr": "*bf16", "preact_ptr": "*bf16"}
+    sig = {}
+    for param in _moe_gemm.params:
+        sig[param.name] = "constexpr" if param.is_constexpr else types.get(param.name, "i32")
+    return sig
+
+
+def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, gated: bool):
+    consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT=quant, GROUP_N=128, GROUP_K=128)
+    consts |= dict(GATED=gated, ACTIVATION=0, WEIGHT_ON_INPUT=False, MUL_WEIGHT=not gated, IEEE=False)
+    consts |= dict(EVEN_K=False, HAS_BIAS=False, A_SORTED=False, STORE_PREACT=False)
+    # as a launch specializes them: unit strides are constants, pointers, N, K and strides multiples of 16
+    consts |= {name: 1 for name in UNIT_STRIDES}
+    sig = signature(quant)
+    for name in consts:
+        sig[name] = "constexpr"
+    names = [p.name for p in _moe_gemm.params]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in sig and _aligned(n, sig[n])}
+    src = ASTSource(_moe_gemm, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def stats(c) -> dict[str, object]:
+    ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
+    return {
+        "dot": "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "fma"),
+        "async_copies": ttgir.count("async_copy_global_to_local"),
+        "convert_layout": ttgir.count("ttg.convert_layout"),
+        "local_alloc": ttgir.count("ttg.local_alloc"),
+        "fp4_to_fp": ttgir.count("fp4_to_fp"),
+        "shared_bytes": c.metadata.shared,
+        "regs": getattr(c, "n_regs", None),
+        "spills": getattr(c, "n_spills", None),
+        "ptx_lines": len(ptx.splitlines()),
+        "ptx_prmt": len(re.findall(r"\bprmt", ptx)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quant", default="0,4,5")
+    ap.add_argument("--tiles", default="16,64,256:64,128,128:128,128,128")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--gated", type=int, default=1)
+    ap.add_argument("--dump", default=None)
+    args = ap.parse_args()
+    for tile in args.tiles.split(":"):
+        bm, bn, bk = (int(v) for v in tile.split(","))
+        for q in (int(v) for v in args.quant.split(",")):
+            c = compile_one(q, bm, bn, bk, args.warps, args.stages, bool(args.gated))
+            print(f"QUANT={q} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}: {stats(c)}")
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                for kind in ("ttgir", "ptx"):
+                    with open(os.path.join(args.dump, f"q{q}_{bm}x{bn}x{bk}.{kind}"), "w") as f:
+                        f.write(c.asm[kind])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
