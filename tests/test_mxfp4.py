@@ -58,6 +58,21 @@ def test_quantization_error_and_fixed_point():
     assert dequantize_mxfp4(*zeros).eq(0).all()
 
 
+def test_chunked_quantization_matches_one_pass(monkeypatch):
+    """Whole expert stacks are (de)quantized a chunk of rows at a time (gpt-oss-120b's would otherwise need
+    over 100 GB of temporaries): chunks of 3 rows give the bytes and values of a single pass."""
+    import fusedmoe.mxfp4 as mx
+
+    w = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(8))
+    one_pass = quantize_mxfp4(w)
+    values = dequantize_mxfp4(*one_pass)
+    monkeypatch.setattr(mx, "CHUNK_ELEMENTS", 3 * 64)
+    chunked = quantize_mxfp4(w)
+    assert all(torch.equal(a, b) for a, b in zip(one_pass, chunked))
+    assert chunked[0].shape == (3, 7, 32) and chunked[1].shape == (3, 7, 2)
+    assert torch.equal(dequantize_mxfp4(*chunked), values)
+
+
 def test_checkpoint_blocks_and_interleaved_rows():
     """gpt-oss's blocks [E, N, K/32, 16] are the packed bytes; its gate_up rows alternate gate, up."""
     w = torch.randn(2, 8, 64)

@@ -55,10 +55,26 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """The [..., N, K] weight in ``dtype`` (exact in float32 and bfloat16 for scales within their range)."""
     K = check_mxfp4("packed", packed, scales)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(*packed.shape[:-1], K)
-    exps = scales.to(torch.int32) - SCALE_BIAS
-    values = torch.ldexp(lut[codes.long()].unflatten(-1, (K // GROUP, GROUP)), exps.unsqueeze(-1).float())
-    return values.flatten(-2).to(dtype)
+    rows_p, rows_s = packed.reshape(-1, K // 2), scales.reshape(-1, K // GROUP)
+    out = torch.empty(rows_p.shape[0], K, dtype=dtype, device=packed.device)
+    for lo, hi in _row_chunks(rows_p.shape[0], K):
+        p = rows_p[lo:hi]
+        codes = torch.stack((p & 15, p >> 4), dim=-1).reshape(hi - lo, K)
+        exps = rows_s[lo:hi].to(torch.int32) - SCALE_BIAS
+        values = torch.ldexp(lut[codes.long()].unflatten(-1, (K // GROUP, GROUP)), exps.unsqueeze(-1).float())
+        out[lo:hi] = values.flatten(-2)
+    return out.reshape(*packed.shape[:-1], K)
+
+
+#: Elements per chunk when (de)quantizing: the temporaries take tens of bytes per element, so whole expert stacks
+#: (gpt-oss-120b: 2.1e9 elements in w1) are processed a few million elements at a time.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def _row_chunks(rows: int, row_elements: int):
+    """``(lo, hi)`` ranges over ``rows`` rows of ``row_elements`` elements, each about CHUNK_ELEMENTS."""
+    step = max(1, CHUNK_ELEMENTS // max(row_elements, 1))
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
@@ -76,14 +92,20 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rounded to the nearest e2m1 and saturate at +-6. For tests and tiny checkpoints; not a calibrated quantizer."""
     if w.dim() < 2 or w.shape[-1] % GROUP or w.shape[-1] == 0:
         raise ValueError(f"w must be [..., N, K] with K a positive multiple of {GROUP}, got {list(w.shape)}")
-    g = w.float().unflatten(-1, (w.shape[-1] // GROUP, GROUP))
-    amax = g.abs().amax(dim=-1)
-    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2, -SCALE_BIAS)
-    exp = exp.clamp(-SCALE_BIAS, 255 - SCALE_BIAS)
-    q = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
-    codes = _e2m1_codes(q).flatten(-2)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.contiguous(), (exp + SCALE_BIAS).to(torch.uint8)
+    K = w.shape[-1]
+    rows = w.reshape(-1, K)
+    packed = torch.empty(rows.shape[0], K // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(rows.shape[0], K // GROUP, dtype=torch.uint8, device=w.device)
+    for lo, hi in _row_chunks(rows.shape[0], K):
+        g = rows[lo:hi].float().unflatten(-1, (K // GROUP, GROUP))
+        amax = g.abs().amax(dim=-1)
+        exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2, -SCALE_BIAS)
+        exp = exp.clamp(-SCALE_BIAS, 255 - SCALE_BIAS)
+        q = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
+        codes = _e2m1_codes(q).flatten(-2)
+        packed[lo:hi] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        scales[lo:hi] = (exp + SCALE_BIAS).to(torch.uint8)
+    return packed.reshape(*w.shape[:-1], K // 2), scales.reshape(*w.shape[:-1], K // GROUP)
 
 
 def from_checkpoint_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -346,12 +346,15 @@ def run(
     peak_tflops: float,
     backend: str | None = None,
     progress: Callable[[str], None] = print,
+    checkpoint: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Every (shape, M, system) row, systems in the order asked, then the floor row. ``backend`` is fusedmoe's
-    (default: "auto" on a GPU, "torch" on the CPU; "triton" there runs its kernels under TRITON_INTERPRET=1)."""
+    (default: "auto" on a GPU, "torch" on the CPU; "triton" there runs its kernels under TRITON_INTERPRET=1).
+    ``checkpoint`` gets the rows so far after each (shape, M), so a run cut short keeps what it measured."""
     backend = backend or ("auto" if device.type == "cuda" else "torch")
     order = [i for i in REFERENCES if i in impls] + [i for i in impls if i not in REFERENCES]
     rows = []
+    started = time.perf_counter()
     for name in shapes:
         shape = shape_of(name, tiny)
         w1, w2 = make_weights(shape, device, dtype)
@@ -374,7 +377,8 @@ def run(
                 )
                 measured[impl] = row
                 ms = f"{row['ms']:.3f} ms" if row["ms"] else row["note"]
-                progress(f"{name} M={M} {impl}: {ms}")
+                peak = f", peak {row['peak_mb']:.0f} MB" if row.get("peak_mb") else ""
+                progress(f"{name} M={M} {impl}: {ms}{peak} ({time.perf_counter() - started:.0f} s into the run)")
             if len(references) == 2:  # the first reference against the second, too
                 first, second = (references[r] for r in REFERENCES)
                 measured[REFERENCES[0]]["rel_err"][REFERENCES[1]] = _errors(first["grads"], first["out"], second)
@@ -395,6 +399,8 @@ def run(
                 }
             )
             del references, inp
+            if checkpoint is not None:
+                checkpoint(rows)
         del experts, w1, w2
         if device.type == "cuda":
             gc.collect()
@@ -473,6 +479,15 @@ def main(args: argparse.Namespace) -> int:
     backend = args.backends or ("auto" if on_gpu else "torch")
     sizes = "tiny: H=64, I=32" if tiny else "published sizes"
     print(f"shapes {shapes} ({sizes}), tokens {tokens}, {dtype}, fusedmoe backend {backend}")
+
+    def save(rows: list[dict]) -> None:
+        if not args.json:
+            return
+        payload = {"env": env, "device": device.type, "dtype": str(dtype), "tiny": tiny, "repeats": repeats}
+        payload |= {"peak_tflops": peak, "ceilings": ceilings.as_dict() if ceilings is not None else None}
+        payload |= {"backend": backend, "shapes": shapes, "tokens": tokens, "impls": impls, "rows": rows}
+        report.save_json(args.json, payload)
+
     rows = run(
         shapes,
         tokens,
@@ -483,29 +498,14 @@ def main(args: argparse.Namespace) -> int:
         repeats=repeats,
         peak_tflops=peak,
         backend=backend,
+        checkpoint=save,
     )
     where = f"{dtype}, {device.type}{', tiny' if tiny else ''}"
     title = f"MoE layer forward + backward ({where}), gradients of x, w1, w2 and the routing weights"
     report.print_table(title, COLUMNS, table_rows(rows))
     print_cross_check(rows)
     if args.json:
-        report.save_json(
-            args.json,
-            {
-                "env": env,
-                "device": device.type,
-                "dtype": str(dtype),
-                "tiny": tiny,
-                "repeats": repeats,
-                "peak_tflops": peak,
-                "ceilings": ceilings.as_dict() if ceilings is not None else None,
-                "backend": backend,
-                "shapes": shapes,
-                "tokens": tokens,
-                "impls": impls,
-                "rows": rows,
-            },
-        )
+        save(rows)
         print(f"wrote {args.json}")
     return 0
 
