@@ -347,7 +347,12 @@ def fusedmoe_experts_forward(
     [T, E] dense) -> [T, H]`` in hidden's dtype, computed by fusedmoe (``self`` is the experts module).
 
     A module fusedmoe cannot compute (float64, or a module changed after the implementation was selected) runs
-    the experts class's own forward instead, with a warning naming the module and the reason."""
+    the experts class's own forward instead, with a warning naming the module and the reason. A module whose
+    weights :func:`fusedmoe.integrations.hf_quant.quantize_experts` quantized runs its quantized weights."""
+    if self.__dict__.get("_fusedmoe_quant") is not None:
+        from .hf_quant import run_quantized_experts
+
+        return run_quantized_experts(self, hidden_states, top_k_index, top_k_weights)
     activation, reason = _experts_verdict(self, hidden_states.dtype)
     if reason is not None:
         _warn_once(
@@ -731,6 +736,8 @@ def _patch_problems(blocks) -> list[str]:
             problems.append(f"{where}: no experts module with a transformers config")
             continue
         reason = experts_unsupported(experts)
+        if reason is None and experts.__dict__.get("_fusedmoe_quant") is not None:
+            reason = "its experts are quantized (quantize_experts): they run with experts_implementation='fusedmoe'"
         if reason is None and "forward" in block.__dict__:
             reason = (
                 "its forward is replaced on the instance (e.g. by an accelerate hook), which would bypass "

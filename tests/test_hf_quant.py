@@ -1,0 +1,132 @@
+"""Quantized experts inside transformers models (fusedmoe.integrations.hf_quant): a gpt-oss model loaded by
+transformers from an MXFP4 checkpoint (its experts dequantized at load time) gets its MXFP4 experts back and runs
+them through fusedmoe; fp8 quantization of a float model; what it refuses."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from devices import TRITON_DEVICES  # noqa: E402
+from hf_tiny import one_thread, prompt, tiny_model  # noqa: E402, F401
+
+from fusedmoe.integrations import hf  # noqa: E402
+from fusedmoe.integrations.hf_quant import dequantize_experts, is_quantized, quantize_experts  # noqa: E402
+from fusedmoe.mxfp4 import quantize_mxfp4  # noqa: E402
+from fusedmoe.reference import relative_error  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory):
+    """A tiny gpt-oss checkpoint as OpenAI ships it: experts as ``*_blocks`` / ``*_scales`` (MXFP4), the rest
+    float, ``quantization_config.quant_method = "mxfp4"`` in config.json."""
+    from safetensors.torch import save_file
+
+    model = tiny_model("gpt_oss")
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        packed, scales = quantize_mxfp4(sd.pop(name).transpose(1, 2))  # stored [E, N, K]: out-features major
+        sd[name + "_blocks"] = packed.unflatten(-1, (packed.shape[-1] // 16, 16)).contiguous()
+        sd[name + "_scales"] = scales.contiguous()
+    path = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    model.config.quantization_config = {"quant_method": "mxfp4"}
+    model.config.save_pretrained(path)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def _load(path):
+    """transformers' own loader: without OpenAI's kernels it dequantizes the experts."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32
+    )
+    return model.eval()
+
+
+#: (device, dtype, backend, tolerance): float32 through the torch experts on the CPU; bf16 through the Triton
+#: kernels on the GPU, against the bf16 model's own experts.
+RUNS = [
+    pytest.param("cpu", torch.float32, "torch", 1e-5, id="cpu-fp32"),
+    pytest.param("cuda", torch.bfloat16, "triton", 2e-2, marks=pytest.mark.gpu, id="cuda-bf16"),
+]
+
+
+@pytest.mark.parametrize("device,dtype,backend,tol", RUNS)
+def test_gpt_oss_mxfp4_checkpoint_runs_its_experts_in_mxfp4(gpt_oss_checkpoint, device, dtype, backend, tol):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _load(gpt_oss_checkpoint).to(device=device, dtype=dtype)  # MXFP4 values are exact in bf16
+    ids = prompt(device=device)
+    want = _logits(model, ids)  # transformers' eager experts on the dequantized weights
+    floats = [(e.gate_up_proj.clone(), e.down_proj.clone()) for e in hf.experts_modules(model)]
+
+    assert quantize_experts(model, "mxfp4") == model.config.num_hidden_layers
+    manager = hf.attach_workspace(model, backend=backend)
+    for experts in hf.experts_modules(model):
+        assert is_quantized(experts) and experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
+        assert experts.fusedmoe_w1.dtype == torch.uint8  # the checkpoint's bytes per weight: half a byte
+        assert experts.fusedmoe_w1.numel() * 2 == floats[0][0].numel()
+    assert "model.layers.0.mlp.experts.fusedmoe_w1" not in model.state_dict()  # buffers are not saved
+    got = _logits(model, ids)
+    assert manager.stats.calls > 0  # fusedmoe computed the experts
+    assert relative_error(got, want) < tol
+
+    # the values came from MXFP4, so quantizing gave them back exactly
+    assert dequantize_experts(model) == model.config.num_hidden_layers
+    for experts, (gate_up, down) in zip(hf.experts_modules(model), floats):
+        assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
+        assert not is_quantized(experts) and not hasattr(experts, "fusedmoe_w1")
+    assert relative_error(_logits(model, ids), want) < tol  # float experts through fusedmoe again
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_fp8_quantization_of_a_float_model(device):
+    """fp8 (dynamic activation scales; the Triton kernels) on a float Qwen3-MoE: lossy, close to the float
+    model; the float weights kept on request."""
+    model = tiny_model("qwen3_moe", device=device)
+    ids = prompt(device=device)
+    want = _logits(model, ids)
+    assert quantize_experts(model, "fp8_token", keep_float_weights=True) == 2
+    hf.attach_workspace(model, backend="triton")
+    experts = hf.experts_modules(model)[0]
+    assert experts.fusedmoe_w1.dtype == torch.float8_e4m3fn and experts.gate_up_proj.numel() > 0
+    err = relative_error(_logits(model, ids), want)
+    assert 0 < err < 0.1  # quantized (not the float path), and close
+
+
+def test_quantized_experts_refuse_what_they_cannot_do(gpt_oss_checkpoint):
+    model = _load(gpt_oss_checkpoint)
+    with pytest.raises(ValueError, match="dynamic activation scales"):
+        quantize_experts(model, "fp8_tensor_static")
+    with pytest.raises(ValueError, match="unknown|mode"):
+        quantize_experts(model, "int4")
+    assert not any(is_quantized(e) for e in hf.experts_modules(model))  # nothing changed by a refusal
+    quantize_experts(model, "mxfp4")
+    hf.attach_workspace(model, backend="torch")
+    with pytest.raises(TypeError, match="already quantized"):
+        quantize_experts(model, "mxfp4")
+    with pytest.raises(NotImplementedError, match="quantized"):
+        hf.patch_model(model)
+    experts = hf.experts_modules(model)[0]
+    E, k, H = experts.num_experts, 2, model.config.hidden_size
+    ids = torch.randint(0, E, (3, k))
+    with pytest.raises(TypeError, match="float64"):
+        experts(torch.randn(3, H, dtype=torch.float64), ids, torch.rand(3, k))
+    x = torch.randn(3, H, requires_grad=True)
+    with pytest.raises(Exception, match="no backward"):
+        experts(x, ids, torch.rand(3, k))
+    with torch.no_grad():  # the same call without a gradient runs
+        assert experts(x, ids, torch.rand(3, k)).shape == (3, H)
