@@ -105,6 +105,9 @@ def test_fp8_quantization_of_a_float_model(device):
     assert experts.fusedmoe_w1.dtype == torch.float8_e4m3fn and experts.gate_up_proj.numel() > 0
     err = relative_error(_logits(model, ids), want)
     assert 0 < err < 0.1  # quantized (not the float path), and close
+    kept = experts.gate_up_proj
+    assert dequantize_experts(model) == 2 and experts.gate_up_proj is kept  # the kept float weights stay
+    assert relative_error(_logits(model, ids), want) < 1e-5
 
 
 def test_quantized_experts_refuse_what_they_cannot_do(gpt_oss_checkpoint):

@@ -114,29 +114,35 @@ def _quantize_module(experts: nn.Module, q: QuantConfig, keep_float_weights: boo
 
 
 def dequantize_experts(model: nn.Module) -> int:
-    """Undo :func:`quantize_experts`: float ``gate_up_proj`` / ``down_proj`` (the dequantized values, in the
-    dtype they had) on every quantized experts module, the quantized buffers removed; returns how many. The
-    experts implementation stays as it is (fusedmoe, in float now)."""
+    """Undo :func:`quantize_experts` on every quantized experts module, returning how many: the float weights
+    it kept (``keep_float_weights``) stay as they are; emptied ones become the dequantized values in the dtype
+    they had. The quantized buffers are removed; the experts implementation stays as it is (fusedmoe, in
+    float now)."""
     count = 0
     for _, experts in hf._named_experts(model):
         if not is_quantized(experts):
             continue
-        q, dtype = experts.__dict__[QUANTIZED_ATTR], experts.__dict__["_fusedmoe_float_dtype"]
-        w1 = dequantize_weight(experts.fusedmoe_w1, experts.fusedmoe_w1_scale, q).to(dtype)
-        w2 = dequantize_weight(experts.fusedmoe_w2, experts.fusedmoe_w2_scale, q).to(dtype)
-        if getattr(experts, "is_transposed", False):
-            gate_up, _, down, _ = fused_to_gpt_oss(w1, experts.fusedmoe_w1_bias, w2, experts.fusedmoe_w2_bias)
-        else:
-            gate_up, down = w1, w2
-        grads = (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad)
-        experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=grads[0])
-        experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=grads[1])
+        if experts.gate_up_proj.numel() == 0:
+            _restore_float_weights(experts)
         for name in _BUFFERS:
             delattr(experts, name)
         for attr in (QUANTIZED_ATTR, "_fusedmoe_float_dtype", "_fusedmoe_verdicts"):
             experts.__dict__.pop(attr, None)
         count += 1
     return count
+
+
+def _restore_float_weights(experts: nn.Module) -> None:
+    q, dtype = experts.__dict__[QUANTIZED_ATTR], experts.__dict__["_fusedmoe_float_dtype"]
+    w1 = dequantize_weight(experts.fusedmoe_w1, experts.fusedmoe_w1_scale, q).to(dtype)
+    w2 = dequantize_weight(experts.fusedmoe_w2, experts.fusedmoe_w2_scale, q).to(dtype)
+    if getattr(experts, "is_transposed", False):
+        gate_up, _, down, _ = fused_to_gpt_oss(w1, experts.fusedmoe_w1_bias, w2, experts.fusedmoe_w2_bias)
+    else:
+        gate_up, down = w1, w2
+    grads = (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad)
+    experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=grads[0])
+    experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=grads[1])
 
 
 def run_quantized_experts(

@@ -2,7 +2,9 @@
 
 The model is built at its full published size from its config (random weights, bf16 on the GPU), then for each
 experts implementation (transformers' own that are present, ``fusedmoe`` through the experts interface, and
-``fusedmoe-patch`` = :func:`fusedmoe.integrations.hf.patch_model`) and each batch size it generates
+``fusedmoe-patch`` = :func:`fusedmoe.integrations.hf.patch_model`; on request ``fusedmoe-<mode>``, the experts
+quantized by :func:`fusedmoe.integrations.hf_quant.quantize_experts`, e.g. ``fusedmoe-fp8_block``,
+``fusedmoe-mxfp4``) and each batch size it generates
 ``--prompt`` tokens of prefill plus ``--new`` decode tokens, greedily:
 
 - ``eager``: ``generate`` with the dynamic cache, no compilation (what most users run first);
@@ -168,6 +170,11 @@ def _use(model, impl: str):
         model.set_experts_implementation("grouped_mm")
         hf.patch_model(model)
         return lambda: hf.unpatch_model(model)
+    if impl.startswith("fusedmoe-"):  # fusedmoe-<quant mode>: the experts quantized (quantize_experts)
+        from ...integrations.hf_quant import dequantize_experts, quantize_experts
+
+        quantize_experts(model, impl[len("fusedmoe-") :], keep_float_weights=True)
+        return lambda: dequantize_experts(model)
     if impl == "fusedmoe":
         hf.register()
     model.set_experts_implementation(impl)
@@ -239,7 +246,7 @@ def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, pr
             (
                 r["decode_ms"]
                 for r in rows
-                if r["impl"] not in FUSED and r["mode"] == row["mode"] and r["batch"] == row["batch"]
+                if not r["impl"].startswith("fusedmoe") and r["mode"] == row["mode"] and r["batch"] == row["batch"]
             ),
             default=None,
         )
