@@ -1,6 +1,7 @@
 """Expert parallelism over gloo (CPU, torch.multiprocessing spawn): worlds of 2 and 4 ranks give the output of
 the single-process layer for random routing, ranks with no tokens included, in the standard and batched
-layouts; each rank keeps exactly its shard of the experts; a mis-mapped shard is caught."""
+layouts, with float and quantized (MXFP4, fp8) experts; each rank keeps exactly its shard of the experts (and
+scales); a mis-mapped shard is caught."""
 
 import os
 import tempfile
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-E, K, H, I = 8, 2, 32, 16
+E, K, H, I = 8, 2, 32, 32  # H, I: multiples of MXFP4's 32-element scale groups
 TOKENS = [5, 0, 7, 3]  # tokens per rank: rank 1 has none
 
 
@@ -24,9 +25,10 @@ def _worker(rank, world, init_file, configs, queue):
 
         pin_config(MoEConfig.simple(16, 32, 16))
         results = []
-        for layout, backend, cap, seed in configs:
+        for layout, backend, cap, seed, *quant in configs:
+            quant = quant[0] if quant else None
             torch.manual_seed(seed)
-            full = FusedMoE(E, K, H, I, backend="torch")
+            full = FusedMoE(E, K, H, I, backend="torch" if quant in (None, "mxfp4") else "triton", quant=quant)
             g = torch.Generator().manual_seed(seed + 1)
             xs = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
             ref = full(xs[rank])
@@ -40,12 +42,16 @@ def _worker(rank, world, init_file, configs, queue):
                 layout=layout,
                 max_tokens_per_rank=cap,
                 workspace=WorkspaceManager("cpu", poison=True),
+                quant=quant,
             )
-            ep.load_weights(full.w1.data, full.w2.data, full.gate.data)
+            scales = {"w1_scale": full.w1_scale, "w2_scale": full.w2_scale} if quant else {}
+            ep.load_weights(full.w1.data, full.w2.data, full.gate.data, **scales)
             El = E // world
+            mine = slice(rank * El, (rank + 1) * El)
             shard_ok = (
-                torch.equal(ep.w1, full.w1[rank * El : (rank + 1) * El])
-                and torch.equal(ep.w2, full.w2[rank * El : (rank + 1) * El])
+                torch.equal(ep.w1, full.w1[mine])
+                and torch.equal(ep.w2, full.w2[mine])
+                and all(torch.equal(getattr(ep, n), s[mine]) for n, s in scales.items())
                 and torch.equal(ep.gate, full.gate)
                 and ep.expert_map.tolist() == [g_ - rank * El if g_ // El == rank else -1 for g_ in range(E)]
             )
@@ -57,7 +63,8 @@ def _worker(rank, world, init_file, configs, queue):
             ep.w2.data.copy_(full.w2[other * El : (other + 1) * El])
             bad = ep(xs[rank])
             bad_err = relative_error(bad, ref) if ref.numel() else 1.0
-            results.append((layout, backend, cap, tuple(out.shape) == tuple(xs[rank].shape), shard_ok, err, bad_err))
+            tag = (layout, backend, cap, quant)
+            results.append((tag, tuple(out.shape) == tuple(xs[rank].shape), shard_ok, err, bad_err))
         queue.put((rank, results))
     except Exception as exc:  # pragma: no cover - reported by the parent
         queue.put((rank, repr(exc)))
@@ -79,8 +86,8 @@ def _spawn(world, configs):
 
 def _check(out):
     for rank, res in out.items():
-        for layout, backend, cap, shape_ok, shard_ok, err, bad_err in res:
-            tag = f"rank {rank} {layout}/{backend}/cap={cap}"
+        for (layout, backend, cap, quant), shape_ok, shard_ok, err, bad_err in res:
+            tag = f"rank {rank} {layout}/{backend}/cap={cap}/quant={quant}"
             assert shape_ok, tag
             assert shard_ok, f"{tag}: experts or expert_map mis-mapped"
             assert err < 1e-5, f"{tag}: error {err}"
@@ -93,6 +100,9 @@ def test_ep_world2():
     configs = [("standard", "torch", None, 0), ("batched", "torch", 8, 1)]
     if triton:
         configs += [("standard", "triton", None, 2), ("batched", "triton", None, 3)]
+        # quantized experts: MXFP4 (float activations on the wire) and fp8 (e4m3 rows and scales on the wire)
+        configs += [("batched", "triton", None, 6, "mxfp4"), ("standard", "triton", None, 7, "fp8_token")]
+    configs += [("standard", "torch", None, 8, "mxfp4")]
     _check(_spawn(2, configs))
 
 

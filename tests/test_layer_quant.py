@@ -79,9 +79,25 @@ def test_load_weights_and_state_dict_round_trip():
         _layer(None).load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), w1_scale=s1)
 
 
+@pytest.mark.parametrize("quant", ["mxfp4", "fp8_token", "fp8_block"])
+def test_batched_layout_matches_the_standard_one(quant):
+    """A quantized layer in the batched layout (the Triton batched kernels; under the interpreter on the CPU)
+    gives the standard layout's output; the torch batched experts refuse quantized weights by name."""
+    if not INTERPRETING:
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    std = _layer(quant, backend="triton")
+    batched = _layer(quant, backend="triton", layout="batched", max_tokens_per_expert=16)
+    batched.load_state_dict(std.state_dict())
+    x = torch.randn(9, H)
+    with torch.no_grad():
+        want, got = std(x), batched(x)
+    assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 1e-5
+    with pytest.raises(ValueError, match=f"do not implement quantized weights \\({quant}\\)"):
+        with torch.no_grad():
+            _layer(quant, backend="torch", layout="batched", max_tokens_per_expert=16)(x)
+
+
 def test_errors_name_the_argument():
-    with pytest.raises(ValueError, match="standard layout without ep_group"):
-        _layer("mxfp4", layout="batched", max_tokens_per_expert=8)
     with pytest.raises(ValueError, match="divisible by 32"):
         FusedMoE(E, K, 48, I, quant="mxfp4")
     with pytest.raises(ValueError, match="quant mode must be one of"):

@@ -124,11 +124,6 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", emap, persistent=False)
         El = self.num_local_experts
         self.quant = QuantConfig.parse(quant)
-        if self.quant is not None and self._parallel is not None:
-            raise ValueError(
-                f"quant={self.quant.name!r}: quantized FusedMoE layers run the standard layout without ep_group "
-                "for now (layout='standard', ep_group=None, no max_tokens_per_expert)"
-            )
         if self.quant is None:
             self.w1 = nn.Parameter(torch.empty(El, 2 * I, H, **factory), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(El, H, I, **factory), requires_grad=False)

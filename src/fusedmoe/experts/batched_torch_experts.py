@@ -62,7 +62,8 @@ class BatchedTorchExperts(Experts):
         if p.activation not in ("silu", "gelu", "swigluoai", "gelu_exact"):
             return f"activation {p.activation!r} is not supported"
         if p.quant is not None:
-            return "the torch batched experts do not implement fp8 quantization; use BatchedTritonExperts"
+            name = p.quant.name
+            return f"the torch batched experts do not implement quantized weights ({name}); use the Triton backend"
         if p.weight_dtype != p.dtype:
             return f"weight dtype {p.weight_dtype} must match the activation dtype {p.dtype}"
         return None
