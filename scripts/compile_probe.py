@@ -1,8 +1,8 @@
 """Compile the expert GEMM (``_moe_gemm``) for Hopper (sm_90) on this machine, no GPU needed, and print what the
 compiler made of it: the dot instruction (wgmma or mma.sync), asynchronous copies (pipelined loads), layout
-conversions, shared memory and registers/spills (from ptxas). For comparing K-loop variants before spending
-GPU time. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128] [--warps 4]
-[--stages 3] [--gated 1] [--dump DIR]"""
+conversions, shared memory and registers/spills (from the ptxas Triton ships). For comparing K-loop variants
+before spending GPU time. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128]
+[--warps 4] [--stages 3] [--gated 1] [--dump DIR]"""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def _aligned(name: str, kind: str) -> bool:
 
 
 def signature(quant: int) -> dict[str, str]:
-    types = {"a_ptr": "*bf16", "w_ptr": "*u8" if quant >= 4 else "*bf16", "out_ptr": "*bf16"}
+    fp8 = 1 <= quant <= 3
+    w_type = "*u8" if quant >= 4 else ("*fp8e4nv" if fp8 else "*bf16")
+    types = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "w_ptr": w_type, "out_ptr": "*bf16"}
     types |= {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "a_scale_ptr": "*fp32"}
     types |= {"w_scale_ptr": "*u8" if quant >= 4 else "*fp32", "bias_ptr": "*bf16", "preact_ptr": "*bf16"}
     sig = {}
@@ -57,6 +59,26 @@ def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
+def ptxas_usage(ptx: str) -> dict[str, object]:
+    """Registers per thread and spill bytes of ``ptx`` as the ptxas shipped with Triton reports them (sm_90a)."""
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [ptxas, "-v", "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "regs": int(regs.group(1)) if regs else None,
+        "spill_bytes": sum(map(int, spill.groups())) if spill else None,
+    }
+
+
 def stats(c) -> dict[str, object]:
     ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
     return {
@@ -65,9 +87,10 @@ def stats(c) -> dict[str, object]:
         "convert_layout": ttgir.count("ttg.convert_layout"),
         "local_alloc": ttgir.count("ttg.local_alloc"),
         "fp4_to_fp": ttgir.count("fp4_to_fp"),
+        # 0 right after each dot: the loop waits for every wgmma (no overlap of a dot with the next loads)
+        "wgmma_wait_pendings": sorted({int(v) for v in re.findall(r"pendings = (\d+)", ttgir)}),
         "shared_bytes": c.metadata.shared,
-        "regs": getattr(c, "n_regs", None),
-        "spills": getattr(c, "n_spills", None),
+        **ptxas_usage(ptx),
         "ptx_lines": len(ptx.splitlines()),
         "ptx_prmt": len(re.findall(r"\bprmt", ptx)),
     }
@@ -75,7 +98,7 @@ def stats(c) -> dict[str, object]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quant", default="0,4,5")
+    ap.add_argument("--quant", default="0,4,5", help="QUANT codes: 0 bf16, 1-3 fp8 tensor/token/block, 4-5 MXFP4")
     ap.add_argument("--tiles", default="16,64,256:64,128,128:128,128,128")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
