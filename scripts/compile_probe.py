@@ -19,9 +19,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fusedmoe.ops.grouped_gemm import _moe_gemm  # noqa: E402
 
-POINTERS = ("a_ptr", "w_ptr", "out_ptr", "sorted_ptr", "block_expert_ptr", "topk_w_ptr", "a_scale_ptr")
-POINTERS += ("w_scale_ptr", "bias_ptr")
-
 
 UNIT_STRIDES = ("stride_ak", "stride_wk", "stride_on", "stride_wsk", "stride_bn")
 
@@ -65,6 +62,8 @@ def ptxas_usage(ptx: str) -> dict[str, object]:
     import tempfile
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        return {"regs": None, "spill_bytes": None}
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:

@@ -14,8 +14,14 @@ pytest.importorskip("transformers")
 from devices import TRITON_DEVICES  # noqa: E402
 from hf_tiny import one_thread, prompt, tiny_model  # noqa: E402, F401
 
+from fusedmoe.checks import GradientNotSupportedError  # noqa: E402
 from fusedmoe.integrations import hf  # noqa: E402
-from fusedmoe.integrations.hf_quant import dequantize_experts, is_quantized, quantize_experts  # noqa: E402
+from fusedmoe.integrations.hf_quant import (  # noqa: E402
+    QUANTIZED_IMPLEMENTATION,
+    dequantize_experts,
+    is_quantized,
+    quantize_experts,
+)
 from fusedmoe.mxfp4 import quantize_mxfp4  # noqa: E402
 from fusedmoe.reference import relative_error  # noqa: E402
 
@@ -74,6 +80,7 @@ def test_gpt_oss_mxfp4_checkpoint_runs_its_experts_in_mxfp4(gpt_oss_checkpoint, 
     floats = [(e.gate_up_proj.clone(), e.down_proj.clone()) for e in hf.experts_modules(model)]
 
     assert quantize_experts(model, "mxfp4") == model.config.num_hidden_layers
+    assert model.config._experts_implementation == QUANTIZED_IMPLEMENTATION  # a name of its own: compile guards it
     manager = hf.attach_workspace(model, backend=backend)
     for experts in hf.experts_modules(model):
         assert is_quantized(experts) and experts.gate_up_proj.numel() == 0 and experts.down_proj.numel() == 0
@@ -89,6 +96,7 @@ def test_gpt_oss_mxfp4_checkpoint_runs_its_experts_in_mxfp4(gpt_oss_checkpoint, 
     for experts, (gate_up, down) in zip(hf.experts_modules(model), floats):
         assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
         assert not is_quantized(experts) and not hasattr(experts, "fusedmoe_w1")
+    assert model.config._experts_implementation == hf.EXPERTS_IMPLEMENTATION
     assert relative_error(_logits(model, ids), want) < tol  # float experts through fusedmoe again
 
 
@@ -102,9 +110,12 @@ def test_fp8_quantization_of_a_float_model(device):
     assert quantize_experts(model, "fp8_token", keep_float_weights=True) == 2
     hf.attach_workspace(model, backend="triton")
     experts = hf.experts_modules(model)[0]
-    assert experts.fusedmoe_w1.dtype == torch.float8_e4m3fn and experts.gate_up_proj.numel() > 0
-    err = relative_error(_logits(model, ids), want)
+    assert experts.gate_up_proj.numel() > 0
+    quantized = _logits(model, ids)
+    err = relative_error(quantized, want)
     assert 0 < err < 0.1  # quantized (not the float path), and close
+    model.double().float()  # a dtype round trip: the fp8 weights and float32 scales are not cast along
+    assert torch.equal(_logits(model, ids), quantized)
     kept = experts.gate_up_proj
     assert dequantize_experts(model) == 2 and experts.gate_up_proj is kept  # the kept float weights stay
     assert relative_error(_logits(model, ids), want) < 1e-5
@@ -129,7 +140,38 @@ def test_quantized_experts_refuse_what_they_cannot_do(gpt_oss_checkpoint):
     with pytest.raises(TypeError, match="float64"):
         experts(torch.randn(3, H, dtype=torch.float64), ids, torch.rand(3, k))
     x = torch.randn(3, H, requires_grad=True)
-    with pytest.raises(Exception, match="no backward"):
+    with pytest.raises(GradientNotSupportedError, match="no backward"):
         experts(x, ids, torch.rand(3, k))
     with torch.no_grad():  # the same call without a gradient runs
         assert experts(x, ids, torch.rand(3, k)).shape == (3, H)
+
+
+def test_what_quantize_experts_refuses_names_the_module():
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts .*divisible by 32"):
+        quantize_experts(tiny_model("qwen3_moe", moe_intermediate_size=48), "mxfp4")
+    patched = tiny_model("qwen3_moe")
+    hf.patch_model(patched)
+    with pytest.raises(NotImplementedError, match="unpatch_model first"):
+        quantize_experts(patched, "mxfp4")
+    hf.unpatch_model(patched)
+    assert quantize_experts(patched, "mxfp4") == 2
+
+
+def test_biases_are_the_modules_own_and_requires_grad_survives(gpt_oss_checkpoint):
+    """The quantized path reads the module's bias parameters on every call (a bias changed after quantizing
+    takes effect, as in transformers' own experts); dequantize_experts gives back requires_grad."""
+    model = _load(gpt_oss_checkpoint)
+    model.model.layers[0].mlp.experts.down_proj.requires_grad_(False)
+    flags = [(e.gate_up_proj.requires_grad, e.down_proj.requires_grad) for e in hf.experts_modules(model)]
+    ids = prompt()
+    quantize_experts(model, "mxfp4")
+    hf.attach_workspace(model, backend="torch")
+    with torch.no_grad():
+        for experts in hf.experts_modules(model):
+            experts.gate_up_proj_bias.zero_()
+            experts.down_proj_bias.mul_(-1)
+    got = _logits(model, ids)
+    dequantize_experts(model)
+    assert [(e.gate_up_proj.requires_grad, e.down_proj.requires_grad) for e in hf.experts_modules(model)] == flags
+    model.set_experts_implementation("eager")  # transformers' own experts, with the changed biases
+    assert relative_error(got, _logits(model, ids)) < 1e-5

@@ -60,13 +60,14 @@ def test_quantization_error_and_fixed_point():
 
 def test_chunked_quantization_matches_one_pass(monkeypatch):
     """Whole expert stacks are (de)quantized a chunk of rows at a time (gpt-oss-120b's would otherwise need
-    over 100 GB of temporaries): chunks of 3 rows give the bytes and values of a single pass."""
+    over 100 GB of temporaries): chunks of 4 rows (the last one partial) give the bytes and values of a single
+    pass."""
     import fusedmoe.mxfp4 as mx
 
     w = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(8))
     one_pass = quantize_mxfp4(w)
     values = dequantize_mxfp4(*one_pass)
-    monkeypatch.setattr(mx, "CHUNK_ELEMENTS", 3 * 64)
+    monkeypatch.setattr(mx, "CHUNK_ELEMENTS", 4 * 64)  # 21 rows: chunks of 4, 4, 4, 4, 4, 1
     chunked = quantize_mxfp4(w)
     assert all(torch.equal(a, b) for a, b in zip(one_pass, chunked))
     assert chunked[0].shape == (3, 7, 32) and chunked[1].shape == (3, 7, 2)
@@ -212,7 +213,7 @@ def test_mxfp4_dot_choice(monkeypatch):
 def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
     """The MXFP4 K loops on the GPU (bf16: tl.dot_scaled, then the register decode; fp16: the decode) match
     GEMM1 on the dequantized weights, with a K tail (H = 96 + 64) and N not a multiple of the tile."""
-    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -227,6 +228,8 @@ def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
     outs = {}
     for path in ("scaled", "decode"):
         monkeypatch.setenv(ENV_MXFP4_DOT, path)
+        scaled = path == "scaled" and dtype == torch.bfloat16
+        assert mxfp4_quant_code(dtype) == (MXFP4_SCALED_DOT if scaled else QUANT_CODES["mxfp4"])
         out = torch.full((M * k, I), float("nan"), device="cuda", dtype=dtype)
         num = Numerics(mode="mxfp4", w_scale=scales)
         moe_gemm1(x, packed, out, s, b, top_k=k, num_blocks=nb, config=cfg, activation="silu", numerics=num)

@@ -41,8 +41,12 @@ class FusedMoE(nn.Module):
     layers of a model should share one. ``quant`` (a mode of :mod:`fusedmoe.quant`: "fp8_tensor",
     "fp8_token", "fp8_block" or "mxfp4") stores the experts quantized: ``w1`` / ``w2`` in the mode's dtype and
     layout plus ``w1_scale`` / ``w2_scale`` (:func:`fusedmoe.quant.quantized_layout`); activations, router and shared
-    experts stay in ``dtype``. ``recompute`` (training): recompute the experts' GEMM1 output in the
-    backward instead of keeping it from the forward (less memory, a slower backward; docs/training.md).
+    experts stay in ``dtype``. Quantized layers run both layouts, with or without ``ep_group`` (the batched
+    layout needs the Triton backend); under ``ep_group`` the dynamic per-tensor activation scale of
+    "fp8_tensor" is each rank's, over the rows it receives, so its output differs from a single-process layer's
+    within fp8 rounding (per-token and block scales are per row: the same as a single process).
+    ``recompute`` (training): recompute the experts' GEMM1 output in the backward instead of keeping it from
+    the forward (less memory, a slower backward; docs/training.md).
     """
 
     def __init__(

@@ -4,15 +4,18 @@ transformers loads a gpt-oss checkpoint's MXFP4 experts as bf16 unless OpenAI's 
 ``kernels`` package) is installed: it dequantizes them at load time. Those bf16 values are exactly MXFP4 values,
 so :func:`quantize_experts` gives each experts module its checkpoint's MXFP4 weights back (the same values: e2m1
 codes and e8m0 scales may pair differently, the products do not), drops the float copy, and runs the experts
-through fusedmoe's MXFP4 kernels under ``experts_implementation="fusedmoe"``. The fp8 modes with dynamic
-activation scales quantize any float experts (not exact: a lossy cast, for trying fp8 on a bf16 model).
+through fusedmoe's MXFP4 kernels under the ``"fusedmoe_quant"`` experts implementation (a name of its own, so a
+model compiled before the switch recompiles). The fp8 modes with dynamic activation scales quantize any float
+experts (not exact: a lossy cast, for trying fp8 on a bf16 model).
 
-A quantized module holds, as non-persistent buffers (moved by ``.to()``, not in ``state_dict``), fusedmoe's
-layout: ``fusedmoe_w1`` [E, 2I, H] (MXFP4: uint8 [E, 2I, H/2]), ``fusedmoe_w2``, their scales and, for gpt-oss,
-the biases (gate then up). Its ``gate_up_proj`` / ``down_proj`` become empty parameters unless
-``keep_float_weights``: the model then runs its experts only through fusedmoe, does not train them (quantized
-calls have no backward: a forward that needs a gradient raises), and its ``state_dict`` no longer holds them
-(save the model before quantizing it). :func:`dequantize_experts` puts float weights back.
+A quantized module holds, as non-persistent buffers (not in ``state_dict``), the weights in fusedmoe's layout
+and their scales: ``fusedmoe_w1`` [E, 2I, H] (MXFP4: [E, 2I, H/2]), ``fusedmoe_w2``, ``fusedmoe_w1_scale``,
+``fusedmoe_w2_scale``, stored as integer views (uint8 / int32) so that ``model.to(dtype)`` moves them between
+devices without casting them. The biases stay the module's own parameters (read on every call). Its
+``gate_up_proj`` / ``down_proj`` become empty parameters unless ``keep_float_weights``: the model then runs its
+experts only through fusedmoe, and its ``state_dict`` holds those two as empty tensors, so save the model before
+quantizing it (or after :func:`dequantize_experts`). Quantized experts do not train: a forward that needs a
+gradient through them raises GradientNotSupportedError.
 """
 
 from __future__ import annotations
@@ -21,17 +24,29 @@ import torch
 from torch import nn
 
 from ..api import fused_moe
+from ..mxfp4 import dequantize_mxfp4
 from ..op import fused_moe_op
-from ..quant import QuantConfig, dequantize_weight, quantize_weights
+from ..quant import FP8_DTYPE, QuantConfig, dequantize_weight, quantize_weights, quantized_layout
 from . import hf
 from .loading import fused_to_gpt_oss, gpt_oss_to_fused
 
-__all__ = ["QUANTIZED_ATTR", "dequantize_experts", "is_quantized", "quantize_experts", "run_quantized_experts"]
+__all__ = [
+    "QUANTIZED_ATTR",
+    "QUANTIZED_IMPLEMENTATION",
+    "dequantize_experts",
+    "is_quantized",
+    "quantize_experts",
+    "run_quantized_experts",
+]
 
 #: Attribute of a quantized experts module: its QuantConfig (and, with it, the buffers below).
 QUANTIZED_ATTR = "_fusedmoe_quant"
-_BUFFERS = ("fusedmoe_w1", "fusedmoe_w2", "fusedmoe_w1_scale", "fusedmoe_w2_scale", "fusedmoe_w1_bias")
-_BUFFERS += ("fusedmoe_w2_bias",)
+#: The experts implementation a quantized model runs (the same function as "fusedmoe", under its own name).
+QUANTIZED_IMPLEMENTATION = "fusedmoe_quant"
+_BUFFERS = ("fusedmoe_w1", "fusedmoe_w2", "fusedmoe_w1_scale", "fusedmoe_w2_scale")
+#: What quantize_experts changed on a module besides the buffers: QuantConfig, the float weights'
+#: requires_grad flags (restored by dequantize_experts).
+_GRAD_FLAGS_ATTR = "_fusedmoe_float_requires_grad"
 
 
 def is_quantized(experts: nn.Module) -> bool:
@@ -39,73 +54,108 @@ def is_quantized(experts: nn.Module) -> bool:
     return experts.__dict__.get(QUANTIZED_ATTR) is not None
 
 
-def _float_weights(experts: nn.Module):
-    """(w1, w2, w1_bias, w2_bias) of a float experts module in fusedmoe's layout (gpt-oss's converted)."""
+def _float_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1 [E, 2I, H], w2 [E, H, I]) of a float experts module in fusedmoe's layout (gpt-oss's converted)."""
     with torch.no_grad():
         if getattr(experts, "is_transposed", False):
-            w1, b1, w2, b2 = gpt_oss_to_fused(
-                experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias
-            )
-            return w1, w2, b1, b2
-        b1 = experts.gate_up_proj_bias if getattr(experts, "has_bias", False) else None
-        b2 = experts.down_proj_bias if getattr(experts, "has_bias", False) else None
-        return experts.gate_up_proj, experts.down_proj, b1, b2
+            params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
+            w1, _, w2, _ = gpt_oss_to_fused(*params)
+            return w1, w2
+        return experts.gate_up_proj, experts.down_proj
+
+
+def _biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The module's own bias parameters in fusedmoe's layout (gpt-oss's gate/up interleave undone), per call."""
+    if not getattr(experts, "has_bias", False):
+        return None, None
+    b1, b2 = experts.gate_up_proj_bias, experts.down_proj_bias
+    if getattr(experts, "is_transposed", False):
+        b1 = torch.cat([b1[..., 0::2], b1[..., 1::2]], dim=-1)
+    return b1, b2
+
+
+def _module_problem(experts: nn.Module, q: QuantConfig) -> tuple[type[Exception], str] | None:
+    """(error type, reason) when ``experts`` cannot be quantized to ``q``, else None."""
+    reason = hf.experts_unsupported(experts)
+    if reason is not None:
+        return NotImplementedError, reason
+    if is_quantized(experts):
+        return TypeError, f"already quantized ({experts.__dict__[QUANTIZED_ATTR].name})"
+    w = experts.gate_up_proj
+    if w.dtype not in hf.SERVED_DTYPES:
+        return TypeError, f"expert weights of dtype {w.dtype} (float32, float16 or bfloat16 expected)"
+    if w.is_meta or "_hf_hook" in experts.__dict__:
+        return NotImplementedError, "weights on the meta device or behind an accelerate hook (load them first)"
+    E, H = w.shape[0], experts.down_proj.shape[-1] if getattr(experts, "is_transposed", False) else w.shape[-1]
+    I = w.shape[-1] // 2 if getattr(experts, "is_transposed", False) else w.shape[1] // 2
+    try:
+        quantized_layout(q, E, H, I)
+    except ValueError as err:
+        return ValueError, str(err)
+    return None
 
 
 def quantize_experts(model: nn.Module, quant: QuantConfig | str = "mxfp4", *, keep_float_weights: bool = False) -> int:
-    """Hold the weights of every experts module of ``model`` in fusedmoe's ``quant`` mode and select fusedmoe
-    as the model's experts implementation; returns how many modules were quantized.
+    """Hold the weights of every experts module of ``model`` in fusedmoe's ``quant`` mode and select the
+    ``"fusedmoe_quant"`` experts implementation; returns how many modules were quantized.
 
     Args:
-        model: a transformers (>= 5) model whose experts modules fusedmoe computes (standard layout or gpt-oss's).
+        model: a transformers (>= 5) model whose experts modules fusedmoe computes (standard layout or gpt-oss's),
+            loaded (not on the meta device) and not patched by :func:`fusedmoe.integrations.hf.patch_model`.
         quant: "mxfp4" (weight-only FP4, gpt-oss's format; exact for experts dequantized from MXFP4) or an fp8
             mode with dynamic activation scales ("fp8_tensor", "fp8_token", "fp8_block").
-        keep_float_weights: keep ``gate_up_proj`` / ``down_proj`` as they are (double the memory, but the model
-            still saves and can be dequantized by hand); by default they become empty parameters.
+        keep_float_weights: keep ``gate_up_proj`` / ``down_proj`` as they are (the float copy stays in memory);
+            by default they become empty parameters.
 
-    Raises:
-        ValueError: an unknown mode, or static activation scales (which need calibrated ``a*_scale``).
-        NotImplementedError: an experts module fusedmoe cannot compute (named, with the reason); nothing is
-            changed then.
-        TypeError: a module already quantized, or float64 experts.
+    Raises (nothing is changed then):
+        ValueError: an unknown mode, static activation scales (which need calibrated ``a*_scale``), or sizes the
+            mode cannot hold (MXFP4: H and I multiples of 32), naming the module.
+        NotImplementedError: a patched model, or an experts module fusedmoe cannot compute (named, with why).
+        TypeError: a module already quantized, or experts that are not float32/float16/bfloat16.
     """
     q = QuantConfig.parse(quant)
     if q is None or q.static_activation_scale:
         raise ValueError(f"quant must be 'mxfp4' or an fp8 mode with dynamic activation scales, got {quant!r}")
-    named = hf._named_experts(model)
-    problems = []
-    for name, experts in named:
-        reason = hf.experts_unsupported(experts)
-        if reason is None and is_quantized(experts):
-            reason = f"already quantized ({experts.__dict__[QUANTIZED_ATTR].name})"
-        if reason is None and experts.gate_up_proj.dtype not in hf.SERVED_DTYPES:
-            reason = f"expert weights of dtype {experts.gate_up_proj.dtype} (float32, float16 or bfloat16 expected)"
-        if reason is not None:
-            problems.append(f"{name or '<model>'} ({type(experts).__name__}): {reason}")
-    if problems:
-        kind = TypeError if all("already quantized" in p or "dtype" in p for p in problems) else NotImplementedError
-        raise kind(
-            "quantize_experts cannot quantize these experts modules (nothing was changed):\n  " + "\n  ".join(problems)
+    if hf.patched_blocks(model):
+        raise NotImplementedError(
+            "quantize_experts: the model is patched (patch_model), whose FusedMoE layers read the float experts; "
+            "unpatch_model first"
         )
-    for _, experts in named:
-        _quantize_module(experts, q, keep_float_weights)
-    hf.register()
-    if named and hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+    named = hf._named_experts(model)
+    problems = [
+        (p[0], f"{n or '<model>'} ({type(e).__name__}): {p[1]}") for n, e in named if (p := _module_problem(e, q))
+    ]
+    if problems:
+        kinds = {kind for kind, _ in problems}
+        kind = kinds.pop() if len(kinds) == 1 else NotImplementedError
+        lines = "\n  ".join(text for _, text in problems)
+        raise kind(f"quantize_experts cannot quantize these experts modules (nothing was changed):\n  {lines}")
+    hf.register(QUANTIZED_IMPLEMENTATION)
+    done = []
+    try:
+        for _, experts in named:
+            _quantize_module(experts, q, keep_float_weights)
+            done.append(experts)
+        if named and hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(QUANTIZED_IMPLEMENTATION)
+    except BaseException:  # out of memory half way, or a refused selection: put the modules back
+        for experts in done:
+            _unquantize_module(experts)
+        raise
+    model.__dict__.pop("_compiled_call", None)  # transformers' cached compiled forward (generate's static cache)
     return len(named)
 
 
 def _quantize_module(experts: nn.Module, q: QuantConfig, keep_float_weights: bool) -> None:
-    w1, w2, b1, b2 = _float_weights(experts)
+    w1, w2 = _float_weights(experts)
     with torch.no_grad():
-        w1q, w2q, s1, s2 = quantize_weights(w1, w2, q)
-    tensors = (w1q, w2q, s1, s2, b1.detach().clone() if b1 is not None else None)
-    tensors += (b2.detach().clone() if b2 is not None else None,)
+        tensors = quantize_weights(w1, w2, q)
     for name, t in zip(_BUFFERS, tensors):
-        experts.register_buffer(name, t, persistent=False)
+        storage = torch.int32 if t.dtype == torch.float32 else torch.uint8  # a view model.to(dtype) leaves alone
+        experts.register_buffer(name, t.view(storage), persistent=False)
+    experts.__dict__[_GRAD_FLAGS_ATTR] = (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad)
     experts.__dict__[QUANTIZED_ATTR] = q
-    experts.__dict__["_fusedmoe_float_dtype"] = experts.gate_up_proj.dtype
-    experts.__dict__.pop(hf._CACHE_ATTR, None)  # gpt-oss's converted bf16 copy, if inference made one
+    experts.__dict__.pop(hf._CACHE_ATTR, None)  # gpt-oss's converted float copy, if inference made one
     experts.__dict__.pop("_fusedmoe_verdicts", None)
     if not keep_float_weights:
         for name in ("gate_up_proj", "down_proj"):
@@ -115,42 +165,56 @@ def _quantize_module(experts: nn.Module, q: QuantConfig, keep_float_weights: boo
 
 def dequantize_experts(model: nn.Module) -> int:
     """Undo :func:`quantize_experts` on every quantized experts module, returning how many: the float weights
-    it kept (``keep_float_weights``) stay as they are; emptied ones become the dequantized values in the dtype
-    they had. The quantized buffers are removed; the experts implementation stays as it is (fusedmoe, in
-    float now)."""
-    count = 0
-    for _, experts in hf._named_experts(model):
-        if not is_quantized(experts):
-            continue
-        if experts.gate_up_proj.numel() == 0:
-            _restore_float_weights(experts)
-        for name in _BUFFERS:
-            delattr(experts, name)
-        for attr in (QUANTIZED_ATTR, "_fusedmoe_float_dtype", "_fusedmoe_verdicts"):
-            experts.__dict__.pop(attr, None)
-        count += 1
-    return count
+    it kept (``keep_float_weights``) stay as they are; emptied ones become the dequantized values, in the dtype
+    the model has now, with the ``requires_grad`` they had. The quantized buffers are removed and the model's
+    experts implementation becomes ``"fusedmoe"`` (float)."""
+    quantized = [e for _, e in hf._named_experts(model) if is_quantized(e)]
+    for experts in quantized:
+        _unquantize_module(experts)
+    if quantized and hasattr(model, "set_experts_implementation"):
+        hf.register()
+        model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+    model.__dict__.pop("_compiled_call", None)
+    return len(quantized)
 
 
-def _restore_float_weights(experts: nn.Module) -> None:
-    q, dtype = experts.__dict__[QUANTIZED_ATTR], experts.__dict__["_fusedmoe_float_dtype"]
-    w1 = dequantize_weight(experts.fusedmoe_w1, experts.fusedmoe_w1_scale, q).to(dtype)
-    w2 = dequantize_weight(experts.fusedmoe_w2, experts.fusedmoe_w2_scale, q).to(dtype)
-    if getattr(experts, "is_transposed", False):
-        gate_up, _, down, _ = fused_to_gpt_oss(w1, experts.fusedmoe_w1_bias, w2, experts.fusedmoe_w2_bias)
-    else:
-        gate_up, down = w1, w2
-    grads = (experts.gate_up_proj.requires_grad, experts.down_proj.requires_grad)
-    experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=grads[0])
-    experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=grads[1])
+def _quantized_tensors(experts: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(w1, w2, w1_scale, w2_scale) of a quantized module in the dtypes fused_moe takes (the buffers are views)."""
+    q = experts.__dict__[QUANTIZED_ATTR]
+    w1, w2, s1, s2 = (getattr(experts, n) for n in _BUFFERS)
+    if q.fp8:
+        return w1.view(FP8_DTYPE), w2.view(FP8_DTYPE), s1.view(torch.float32), s2.view(torch.float32)
+    return w1, w2, s1, s2
+
+
+def _unquantize_module(experts: nn.Module) -> None:
+    q = experts.__dict__[QUANTIZED_ATTR]
+    if experts.gate_up_proj.numel() == 0:  # emptied: the dequantized values back
+        dtype = experts.gate_up_proj.dtype  # follows model.to(dtype)
+        w1q, w2q, s1, s2 = _quantized_tensors(experts)
+        if q.mode == "mxfp4":  # straight into the float dtype (no float32 copy of a whole expert stack)
+            w1, w2 = dequantize_mxfp4(w1q, s1, dtype), dequantize_mxfp4(w2q, s2, dtype)
+        else:
+            w1, w2 = dequantize_weight(w1q, s1, q).to(dtype), dequantize_weight(w2q, s2, q).to(dtype)
+        if getattr(experts, "is_transposed", False):
+            gate_up, _, down, _ = fused_to_gpt_oss(w1, *_biases(experts)[:1], w2, experts.down_proj_bias)
+        else:
+            gate_up, down = w1, w2
+        grads = experts.__dict__[_GRAD_FLAGS_ATTR]
+        experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=grads[0])
+        experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=grads[1])
+    for name in _BUFFERS:
+        delattr(experts, name)
+    for attr in (QUANTIZED_ATTR, _GRAD_FLAGS_ATTR, "_fusedmoe_verdicts"):
+        experts.__dict__.pop(attr, None)
 
 
 def run_quantized_experts(
     experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' experts contract for a module :func:`quantize_experts` quantized: [T, H] in hidden's
-    dtype. There is no fallback to transformers' code (the float weights are gone): float64 hidden states and
-    calls that need a gradient raise TypeError / RuntimeError."""
+    dtype. There is no fallback to transformers' code (the float weights may be gone): float64 hidden states
+    raise TypeError, calls that need a gradient GradientNotSupportedError."""
     q = experts.__dict__[QUANTIZED_ATTR]
     if hidden_states.dtype not in hf.SERVED_DTYPES:
         raise TypeError(
@@ -159,19 +223,21 @@ def run_quantized_experts(
         )
     if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
+    w1, w2, s1, s2 = _quantized_tensors(experts)
+    b1, b2 = _biases(experts)
     run = fused_moe_op if torch.compiler.is_compiling() else fused_moe
     return run(
         hidden_states,
-        experts.fusedmoe_w1,
-        experts.fusedmoe_w2,
+        w1,
+        w2,
         top_k_weights.float(),
         top_k_index,
         activation=hf._activation_of(experts),
         quant=q,
-        w1_scale=experts.fusedmoe_w1_scale,
-        w2_scale=experts.fusedmoe_w2_scale,
-        w1_bias=experts.fusedmoe_w1_bias,
-        w2_bias=experts.fusedmoe_w2_bias,
+        w1_scale=s1,
+        w2_scale=s2,
+        w1_bias=b1,
+        w2_bias=b2,
         workspace=getattr(experts, "_fusedmoe_workspace", None),
         backend=getattr(experts, "_fusedmoe_backend", "auto"),
     )

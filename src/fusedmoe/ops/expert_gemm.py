@@ -164,7 +164,7 @@ def _mxfp4_dots(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
-    """:func:`_k_loop_mxfp4` through ``tl.dot_scaled``: the same operands (bf16 or fp16 activations), each K tile
+    """:func:`_k_loop_mxfp4` through ``tl.dot_scaled``: the same operands (bf16 activations), each K tile
     one scaled dot per accumulator on the packed bytes [BLOCK_K / 2, BLOCK_N] and their e8m0 scales
     [BLOCK_N, BLOCK_K / 32]; the compiler upcasts the e2m1 pairs to bf16 (the activations' dtype)."""
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op

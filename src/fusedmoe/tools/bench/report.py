@@ -94,6 +94,9 @@ def pyplot():
 
 
 def save_json(path: str | os.PathLike, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically (a run killed mid-write leaves the previous file whole)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
