@@ -47,3 +47,23 @@ def test_compile_fullgraph_aot_eager(arch, mode):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     assert relative_error(_logits(compiled, ids), ref) < 1e-5
     assert manager.stats.calls > 0
+
+
+def test_compiled_model_follows_quantize_experts():
+    """A model compiled with fusedmoe's float experts recompiles when quantize_experts switches them (its own
+    implementation name is guarded), even with the float weights kept; and again after dequantize_experts."""
+    from fusedmoe.integrations.hf_quant import dequantize_experts, quantize_experts
+
+    hf.register()
+    model = tiny_model("gpt_oss")
+    ids = prompt()
+    model.set_experts_implementation("fusedmoe")
+    hf.attach_workspace(model, backend="torch")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    floats = _logits(compiled, ids)
+    quantize_experts(model, "mxfp4", keep_float_weights=True)  # no parameter, workspace or backend changes
+    quantized = _logits(compiled, ids)
+    eager = _logits(model, ids)
+    assert relative_error(quantized, eager) < 1e-5 and relative_error(quantized, floats) > 1e-3
+    dequantize_experts(model)
+    assert relative_error(_logits(compiled, ids), floats) < 1e-5
