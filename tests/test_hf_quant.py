@@ -175,3 +175,20 @@ def test_biases_are_the_modules_own_and_requires_grad_survives(gpt_oss_checkpoin
     assert [(e.gate_up_proj.requires_grad, e.down_proj.requires_grad) for e in hf.experts_modules(model)] == flags
     model.set_experts_implementation("eager")  # transformers' own experts, with the changed biases
     assert relative_error(got, _logits(model, ids)) < 1e-5
+
+
+def test_a_failure_half_way_leaves_the_model_as_it_was(monkeypatch):
+    """quantize_experts puts every module back when a later step fails (here: selecting the implementation);
+    the float weights are only dropped once everything else succeeded."""
+    model = tiny_model("qwen3_moe")
+    before = [(e.gate_up_proj, e.down_proj) for e in hf.experts_modules(model)]
+
+    def refuse(name):
+        raise RuntimeError("selection refused")
+
+    monkeypatch.setattr(model, "set_experts_implementation", refuse)
+    with pytest.raises(RuntimeError, match="selection refused"):
+        quantize_experts(model, "mxfp4")
+    for experts, (gate_up, down) in zip(hf.experts_modules(model), before):
+        assert not is_quantized(experts) and not hasattr(experts, "fusedmoe_w1")
+        assert experts.gate_up_proj is gate_up and experts.down_proj is down

@@ -86,8 +86,12 @@ def _module_problem(experts: nn.Module, q: QuantConfig) -> tuple[type[Exception]
         return TypeError, f"expert weights of dtype {w.dtype} (float32, float16 or bfloat16 expected)"
     if w.is_meta or "_hf_hook" in experts.__dict__:
         return NotImplementedError, "weights on the meta device or behind an accelerate hook (load them first)"
-    E, H = w.shape[0], experts.down_proj.shape[-1] if getattr(experts, "is_transposed", False) else w.shape[-1]
-    I = w.shape[-1] // 2 if getattr(experts, "is_transposed", False) else w.shape[1] // 2
+    # gate_up_proj: gpt-oss [E, H, 2I] (transposed), else [E, 2I, H]
+    E, H, I = (
+        (w.shape[0], w.shape[1], w.shape[2] // 2)
+        if experts.is_transposed
+        else (w.shape[0], w.shape[2], w.shape[1] // 2)
+    )
     try:
         quantized_layout(q, E, H, I)
     except ValueError as err:
@@ -132,21 +136,26 @@ def quantize_experts(model: nn.Module, quant: QuantConfig | str = "mxfp4", *, ke
         raise kind(f"quantize_experts cannot quantize these experts modules (nothing was changed):\n  {lines}")
     hf.register(QUANTIZED_IMPLEMENTATION)
     done = []
-    try:
+    try:  # the float weights are dropped only once every module is quantized and the implementation selected
         for _, experts in named:
-            _quantize_module(experts, q, keep_float_weights)
+            _quantize_module(experts, q)
             done.append(experts)
         if named and hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(QUANTIZED_IMPLEMENTATION)
-    except BaseException:  # out of memory half way, or a refused selection: put the modules back
+    except BaseException:  # out of memory half way, or a refused selection: the modules as they were
         for experts in done:
             _unquantize_module(experts)
         raise
+    if not keep_float_weights:
+        for _, experts in named:
+            for name in ("gate_up_proj", "down_proj"):
+                old = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(old.new_empty(0), requires_grad=False))
     model.__dict__.pop("_compiled_call", None)  # transformers' cached compiled forward (generate's static cache)
     return len(named)
 
 
-def _quantize_module(experts: nn.Module, q: QuantConfig, keep_float_weights: bool) -> None:
+def _quantize_module(experts: nn.Module, q: QuantConfig) -> None:
     w1, w2 = _float_weights(experts)
     with torch.no_grad():
         tensors = quantize_weights(w1, w2, q)
@@ -157,10 +166,6 @@ def _quantize_module(experts: nn.Module, q: QuantConfig, keep_float_weights: boo
     experts.__dict__[QUANTIZED_ATTR] = q
     experts.__dict__.pop(hf._CACHE_ATTR, None)  # gpt-oss's converted float copy, if inference made one
     experts.__dict__.pop("_fusedmoe_verdicts", None)
-    if not keep_float_weights:
-        for name in ("gate_up_proj", "down_proj"):
-            old = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(old.new_empty(0), requires_grad=False))
 
 
 def dequantize_experts(model: nn.Module) -> int:
