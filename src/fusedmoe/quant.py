@@ -170,22 +170,26 @@ def quantize_weights(
     return w1q, w2q, s1, s2
 
 
-def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, quant: QuantConfig | str) -> torch.Tensor:
-    """Inverse of :func:`quantize_weights` for one weight: float32 [E, N, K] (``wq``'s shape; MXFP4: K is twice
-    its last dimension)."""
+def dequantize_weight(
+    wq: torch.Tensor, scale: torch.Tensor, quant: QuantConfig | str, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights` for one weight: [E, N, K] in ``dtype`` (``wq``'s shape; MXFP4: K is
+    twice its last dimension, decoded straight into ``dtype``)."""
     quant = QuantConfig.parse(quant)
     if quant.mode == "mxfp4":
         from .mxfp4 import dequantize_mxfp4
 
-        return dequantize_mxfp4(wq, scale)
+        return dequantize_mxfp4(wq, scale, dtype)
     w = wq.float()
     scale = scale.float()
     if quant.mode == "fp8_tensor":
-        return w * scale.reshape(-1, 1, 1)
-    if quant.mode == "fp8_token":
-        return w * scale[:, :, None]
-    bn, bk = quant.block_shape
-    return w * _expand_blocks(scale, w.shape[1], w.shape[2], bn, bk)
+        w = w * scale.reshape(-1, 1, 1)
+    elif quant.mode == "fp8_token":
+        w = w * scale[:, :, None]
+    else:
+        bn, bk = quant.block_shape
+        w = w * _expand_blocks(scale, w.shape[1], w.shape[2], bn, bk)
+    return w.to(dtype)
 
 
 def activation_scales(x: torch.Tensor, quant: QuantConfig | str, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from ..api import fused_moe
-from ..mxfp4 import dequantize_mxfp4
 from ..op import fused_moe_op
 from ..quant import FP8_DTYPE, QuantConfig, dequantize_weight, quantize_weights, quantized_layout
 from . import hf
-from .loading import fused_to_gpt_oss, gpt_oss_to_fused
+from .loading import fused_to_gpt_oss, gate_then_up, gpt_oss_to_fused
 
 __all__ = [
     "QUANTIZED_ATTR",
@@ -69,9 +68,7 @@ def _biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | Non
     if not getattr(experts, "has_bias", False):
         return None, None
     b1, b2 = experts.gate_up_proj_bias, experts.down_proj_bias
-    if getattr(experts, "is_transposed", False):
-        b1 = torch.cat([b1[..., 0::2], b1[..., 1::2]], dim=-1)
-    return b1, b2
+    return (gate_then_up(b1) if getattr(experts, "is_transposed", False) else b1), b2
 
 
 def _module_problem(experts: nn.Module, q: QuantConfig) -> tuple[type[Exception], str] | None:
@@ -197,12 +194,10 @@ def _unquantize_module(experts: nn.Module) -> None:
     if experts.gate_up_proj.numel() == 0:  # emptied: the dequantized values back
         dtype = experts.gate_up_proj.dtype  # follows model.to(dtype)
         w1q, w2q, s1, s2 = _quantized_tensors(experts)
-        if q.mode == "mxfp4":  # straight into the float dtype (no float32 copy of a whole expert stack)
-            w1, w2 = dequantize_mxfp4(w1q, s1, dtype), dequantize_mxfp4(w2q, s2, dtype)
-        else:
-            w1, w2 = dequantize_weight(w1q, s1, q).to(dtype), dequantize_weight(w2q, s2, q).to(dtype)
+        w1, w2 = dequantize_weight(w1q, s1, q, dtype), dequantize_weight(w2q, s2, q, dtype)
         if getattr(experts, "is_transposed", False):
-            gate_up, _, down, _ = fused_to_gpt_oss(w1, *_biases(experts)[:1], w2, experts.down_proj_bias)
+            b1, b2 = _biases(experts)
+            gate_up, _, down, _ = fused_to_gpt_oss(w1, b1, w2, b2)
         else:
             gate_up, down = w1, w2
         grads = experts.__dict__[_GRAD_FLAGS_ATTR]

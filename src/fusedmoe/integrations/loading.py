@@ -164,10 +164,15 @@ def gpt_oss_to_fused(gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias)
     ``x @ gate_up_proj``) and ``down_proj [E, I, H]``; fusedmoe wants gate rows, then up rows, applied as
     ``x @ w1.T``. A pure permutation and transposition: exact in every dtype.
     """
-    w1 = torch.cat([gate_up_proj[..., 0::2], gate_up_proj[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
-    b1 = torch.cat([gate_up_proj_bias[..., 0::2], gate_up_proj_bias[..., 1::2]], dim=-1).contiguous()
+    w1 = gate_then_up(gate_up_proj).transpose(1, 2).contiguous()
+    b1 = gate_then_up(gate_up_proj_bias).contiguous()
     w2 = down_proj.transpose(1, 2).contiguous()
     return w1, b1, w2, down_proj_bias.contiguous()
+
+
+def gate_then_up(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's interleaved last axis (gate j at 2j, up j at 2j + 1) as fusedmoe's: all gates, then all ups."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
 def fused_to_gpt_oss(w1, w1_bias, w2, w2_bias):
@@ -226,8 +231,7 @@ def _gpt_oss_mxfp4(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         *from_checkpoint_blocks(sd["experts.gate_up_proj_blocks"], sd["experts.gate_up_proj_scales"])
     )
     w2, s2 = from_checkpoint_blocks(sd["experts.down_proj_blocks"], sd["experts.down_proj_scales"])
-    b = sd["experts.gate_up_proj_bias"]
-    b1 = torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).contiguous()
+    b1 = gate_then_up(sd["experts.gate_up_proj_bias"]).contiguous()
     return dict(
         w1=w1,
         w1_scale=s1,
