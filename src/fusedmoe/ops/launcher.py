@@ -159,6 +159,9 @@ class Recorder:
                 slots.append((i, where[0], where[1], tuple(v.shape), tuple(v.stride()), v.dtype))
         grid = tuple(grid) + (1,) * (3 - len(grid))
         options = {k: v for k, v in kwargs.items() if k not in {name for name, _ in params}}
+        # Only where each tensor points is kept: a trace holding the recorded call's tensors would keep its
+        # inputs, output and arena alive for as long as the trace is cached (one set per recorded signature).
+        values = [None if isinstance(v, torch.Tensor) else v for v in values]
         self._launches.append((kernel, compiled, grid, values, tuple(slots), options))
 
     def trace(self) -> Trace | None:
@@ -205,7 +208,9 @@ class _CompiledTrace(Trace):
         self._items = []
         used: set[int] = set()
         for _, compiled, grid, values, slots, _ in recorded:
-            template = [(0 if isinstance(v, torch.Tensor) else v) for v in values]
+            template = list(values)
+            for i, *_ in slots:
+                template[i] = 0  # the pointer, substituted per replay
             run = compiled.run
             direct = getattr(run, "launch", None)
             if (
