@@ -22,6 +22,12 @@ import torch  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
+        # Under pytest-xdist (scripts/gpu-check), the tests that hold many GiB run one at a time in one worker
+        # (with --dist loadgroup): side by side they exhaust the GPU's memory.
+        if config.pluginmanager.hasplugin("xdist"):
+            for item in items:
+                if "big_gpu" in item.keywords:
+                    item.add_marker(pytest.mark.xdist_group("big_gpu"))
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -33,3 +39,19 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+#: A worker process sharing the GPU with others returns its cached blocks above this (bytes) after a test.
+_SHARED_GPU_CACHE = 2 << 30
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_cache():
+    """With several pytest-xdist workers on one GPU, memory one test freed stays reserved by its process's
+    caching allocator and can starve the others: hand it back after each test that left much of it."""
+    yield
+    if _HAS_CUDA and os.environ.get("PYTEST_XDIST_WORKER") and torch.cuda.memory_reserved() > _SHARED_GPU_CACHE:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -284,6 +284,7 @@ PRESET_CASES += [("deepseek-v3", "fp8_block", M) for M in (3, 777)] + [("mixtral
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu
 @pytest.mark.parametrize("name,dtype,M", PRESET_CASES)
 def test_preset_vs_reference(name, dtype, M):
     pr = PRESETS[name]
@@ -306,6 +307,7 @@ def test_preset_vs_reference(name, dtype, M):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu
 @pytest.mark.parametrize("quant", [None, "fp8_tensor", "fp8_token", "fp8_block"])
 @pytest.mark.parametrize("M", [1, 200])
 def test_poison_eager_and_cuda_graph(quant, M):
