@@ -3,9 +3,11 @@ dequantized weights (CPU interpreter in float32, bf16 on the GPU)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from devices import TRITON_DEVICE_DTYPES, interpreter
+from devices import TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpreter
 
 from fusedmoe.mxfp4 import (
     E2M1_VALUES,
@@ -117,13 +119,16 @@ def test_shape_mismatch_and_bad_blocks():
 
 # ---- the GEMMs' mxfp4 weight mode -------------------------------------------------------------------------------
 CFG = GemmConfig(16, 32, 64)
+#: BLOCK_M 16 (dots: tl.dot_scaled for bf16 on the GPU, else decode + dot) and the decode-sized rows of the
+#: multiply-add K loop (1: one slot per block, 4: a few).
+BLOCK_MS = [16, 1, 4]
 
 
-def _setup(M, k, E, device):
+def _setup(M, k, E, device, block_m=CFG.block_m):
     g = torch.Generator().manual_seed(M)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int().to(device)
-    s, b, _ = moe_align(ids, E, CFG.block_m)
-    return s, b, grid_blocks(M * k, align_params(M * k, E, CFG.block_m).max_blocks)
+    s, b, _ = moe_align(ids, E, block_m)
+    return s, b, grid_blocks(M * k, align_params(M * k, E, block_m).max_blocks)
 
 
 def _mx(w, device):
@@ -134,9 +139,11 @@ def _mx(w, device):
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 @pytest.mark.parametrize("H", [64, 96])  # 96: K is not a multiple of BLOCK_K (a masked tail tile)
-def test_gemm1_mxfp4_matches_dequantized(device, dtype, activation, H):
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_gemm1_mxfp4_matches_dequantized(device, dtype, activation, H, block_m):
     M, k, E, I = 13, 2, 3, 40  # I: not a multiple of BLOCK_N
-    s, b, nb = _setup(M, k, E, device)
+    s, b, nb = _setup(M, k, E, device, block_m)
+    cfg = replace(CFG, block_m=block_m)
     x = torch.randn(M, H, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     packed, scales, w1 = _mx(torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(3)), device)
     bias = torch.randn(E, 2 * I).to(device, dtype) if activation == "swigluoai" else None
@@ -147,7 +154,11 @@ def test_gemm1_mxfp4_matches_dequantized(device, dtype, activation, H):
         (w1.to(device, dtype), Numerics(fp32_ieee=ieee)),
     ):
         out = torch.full((M * k, I), float("nan"), device=device, dtype=dtype)
-        moe_gemm1(x, w, out, s, b, top_k=k, num_blocks=nb, config=CFG, activation=activation, numerics=num, bias=bias)
+        cfg_w = cfg if num.mode == "mxfp4" else CFG  # the dense reference's K loop is a dot: 16 rows at least
+        s_w, b_w, nb_w = (s, b, nb) if num.mode == "mxfp4" else _setup(M, k, E, device)
+        moe_gemm1(
+            x, w, out, s_w, b_w, top_k=k, num_blocks=nb_w, config=cfg_w, activation=activation, numerics=num, bias=bias
+        )
         outs.append(out.float())
     assert torch.isfinite(outs[0]).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -155,25 +166,31 @@ def test_gemm1_mxfp4_matches_dequantized(device, dtype, activation, H):
 
 
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
-def test_gemm2_mxfp4_matches_dequantized(device, dtype):
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_gemm2_mxfp4_matches_dequantized(device, dtype, block_m):
     M, k, E, H, I = 9, 3, 4, 40, 64
-    s, b, nb = _setup(M, k, E, device)
     a = torch.randn(M * k, I, generator=torch.Generator().manual_seed(4)).to(device, dtype)
     tw = torch.rand(M, k, generator=torch.Generator().manual_seed(5)).to(device)
     packed, scales, w2 = _mx(torch.randn(E, H, I, generator=torch.Generator().manual_seed(6)), device)
     ieee = dtype == torch.float32
     outs = []
-    for w, num in ((packed, Numerics(mode="mxfp4", w_scale=scales, fp32_ieee=ieee)), (w2.to(device, dtype), None)):
+    for w, num, bm in (
+        (packed, Numerics(mode="mxfp4", w_scale=scales, fp32_ieee=ieee), block_m),
+        (w2.to(device, dtype), Numerics(fp32_ieee=ieee), CFG.block_m),
+    ):
+        s, b, nb = _setup(M, k, E, device, bm)
         out = torch.full((M * k, H), float("nan"), device=device, dtype=dtype)
-        moe_gemm2(a, w, out, s, b, num_blocks=nb, config=CFG, topk_weights=tw, numerics=num or Numerics(fp32_ieee=ieee))
+        moe_gemm2(a, w, out, s, b, num_blocks=nb, config=replace(CFG, block_m=bm), topk_weights=tw, numerics=num)
         outs.append(out.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.isfinite(outs[0]).all() and (outs[0] - outs[1]).norm() / outs[1].norm() < tol
 
 
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
-def test_batched_gemms_mxfp4_match_dequantized(device, dtype):
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_batched_gemms_mxfp4_match_dequantized(device, dtype, block_m):
     E, T, H, I = 3, 20, 64, 32
+    mx = replace(CFG, block_m=block_m)
     counts = torch.tensor([20, 0, 7], dtype=torch.int32, device=device)  # a full, an idle and a partial expert
     g = torch.Generator().manual_seed(7)
     a = torch.randn(E, T, H, generator=g).to(device, dtype)
@@ -181,10 +198,10 @@ def test_batched_gemms_mxfp4_match_dequantized(device, dtype):
     p2, s2, w2 = _mx(torch.randn(E, H, I, generator=g), device)
     ieee = dtype == torch.float32
     mid = [torch.zeros(E, T, I, device=device, dtype=dtype) for _ in range(2)]
-    batched_gemm1(a, p1, mid[0], counts, config=CFG, numerics=Numerics(mode="mxfp4", w_scale=s1, fp32_ieee=ieee))
+    batched_gemm1(a, p1, mid[0], counts, config=mx, numerics=Numerics(mode="mxfp4", w_scale=s1, fp32_ieee=ieee))
     batched_gemm1(a, w1.to(device, dtype), mid[1], counts, config=CFG, numerics=Numerics(fp32_ieee=ieee))
     out = [torch.zeros(E, T, H, device=device, dtype=dtype) for _ in range(2)]
-    batched_gemm2(mid[1], p2, out[0], counts, config=CFG, numerics=Numerics(mode="mxfp4", w_scale=s2, fp32_ieee=ieee))
+    batched_gemm2(mid[1], p2, out[0], counts, config=mx, numerics=Numerics(mode="mxfp4", w_scale=s2, fp32_ieee=ieee))
     batched_gemm2(mid[1], w2.to(device, dtype), out[1], counts, config=CFG, numerics=Numerics(fp32_ieee=ieee))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, want in ((mid[0], mid[1]), (out[0], out[1])):
@@ -193,12 +210,16 @@ def test_batched_gemms_mxfp4_match_dequantized(device, dtype):
 
 
 def test_mxfp4_dot_choice(monkeypatch):
-    """bf16 on the GPU takes tl.dot_scaled; float32, fp16, the interpreter and the diagnostic switch decode."""
-    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
+    """bf16 on the GPU takes tl.dot_scaled; float32, fp16, the interpreter and the diagnostic switch decode; blocks
+    of fewer than 16 rows take the multiply-add loop whatever the dtype."""
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_FMA, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(ENV_MXFP4_DOT, raising=False)
     assert mxfp4_quant_code(torch.bfloat16) == MXFP4_SCALED_DOT
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # decode-sized blocks: multiply-adds, no dot
+        assert mxfp4_quant_code(dtype, 1) == mxfp4_quant_code(dtype, 8) == MXFP4_FMA
+        assert mxfp4_quant_code(dtype, 16) != MXFP4_FMA
     assert mxfp4_quant_code(torch.float32) == mxfp4_quant_code(torch.float16) == QUANT_CODES["mxfp4"]
     monkeypatch.setenv(ENV_MXFP4_DOT, "decode")
     assert mxfp4_quant_code(torch.bfloat16) == QUANT_CODES["mxfp4"]
@@ -211,9 +232,10 @@ def test_mxfp4_dot_choice(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_k", [32, 64, 128])
 def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
-    """The MXFP4 K loops on the GPU (bf16: tl.dot_scaled, then the register decode; fp16: the decode) match
-    GEMM1 on the dequantized weights, with a K tail (H = 96 + 64) and N not a multiple of the tile."""
-    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
+    """The MXFP4 K loops on the GPU (bf16: tl.dot_scaled, then the register decode; fp16: the decode; both: the
+    multiply-adds of 1- and 4-row blocks) match GEMM1 on the dequantized weights, with a K tail (H = 96 + 64) and
+    N not a multiple of the tile."""
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_FMA, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -234,10 +256,41 @@ def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
         num = Numerics(mode="mxfp4", w_scale=scales)
         moe_gemm1(x, packed, out, s, b, top_k=k, num_blocks=nb, config=cfg, activation="silu", numerics=num)
         outs[path] = out.float()
+    for bm in (1, 4):  # the multiply-add loop of decode-sized blocks
+        assert mxfp4_quant_code(dtype, bm) == MXFP4_FMA
+        s_m, b_m, _ = moe_align(ids, E, bm)
+        nb_m = grid_blocks(M * k, align_params(M * k, E, bm).max_blocks)
+        out = torch.full((M * k, I), float("nan"), device="cuda", dtype=dtype)
+        num = Numerics(mode="mxfp4", w_scale=scales)
+        cfg_m = replace(cfg, block_m=bm)
+        moe_gemm1(x, packed, out, s_m, b_m, top_k=k, num_blocks=nb_m, config=cfg_m, activation="silu", numerics=num)
+        outs[f"fma{bm}"] = out.float()
     ref = torch.empty(M * k, I, device="cuda", dtype=dtype)
     moe_gemm1(x, w1.to("cuda", dtype), ref, s, b, top_k=k, num_blocks=nb, config=cfg, activation="silu")
     for got in outs.values():
         assert torch.isfinite(got).all() and (got - ref.float()).norm() / ref.float().norm() < 2e-2
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("block_m", [16, 1])
+def test_every_byte_and_scale_decodes_exactly(device, block_m):
+    """The kernels' bit-assembled decode of every byte value (both nibbles) under e8m0 scales across the range:
+    GEMM2 on one-hot activation rows reads each weight column back, equal to the torch decode bit for bit (the
+    products are exact in float32 and TF32: e2m1 values have 2 significant bits)."""
+    E, N, K = 1, 16, 64  # 16 rows x 32 bytes: every byte value twice
+    packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(E, N, K // 2)
+    low = [0, 1, 2] if device == "cpu" else [3]  # subnormal scales: exact on the CPU; the GPU may flush them
+    picks = torch.tensor(low + [60, 100, 126, 127, 128, 129, 140, 200, 250, 252], dtype=torch.int32)
+    scales = picks[torch.arange(N * K // GROUP) % len(picks)].to(torch.uint8).reshape(E, N, K // GROUP)
+    want = dequantize_mxfp4(packed, scales)[0]  # [N, K]
+    ids = torch.zeros(K, 1, dtype=torch.int32, device=device)  # K tokens, all on the one expert
+    s, b, _ = moe_align(ids, E, block_m)
+    nb = grid_blocks(K, align_params(K, E, block_m).max_blocks)
+    out = torch.full((K, N), float("nan"), device=device)
+    num = Numerics(mode="mxfp4", w_scale=scales.to(device), fp32_ieee=True)
+    cfg = GemmConfig(block_m, 16, 64)
+    moe_gemm2(torch.eye(K, device=device), packed.to(device), out, s, b, num_blocks=nb, config=cfg, numerics=num)
+    assert torch.equal(out.cpu(), want.T)
 
 
 @interpreter
@@ -258,6 +311,9 @@ def test_gemm_mxfp4_rejects_bad_operands():
         moe_gemm1(x.to(torch.float8_e4m3fn), packed, out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
     with pytest.raises(TypeError, match="must be uint8"):
         moe_gemm1(x, packed.view(torch.int8), out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
+    dense = torch.randn(3, 16, 64)  # decode-sized blocks only have a K loop for MXFP4 weights
+    with pytest.raises(ValueError, match="BLOCK_M 4 < 16 needs MXFP4"):
+        moe_gemm1(x, dense, out, s, b, top_k=2, num_blocks=nb, config=GemmConfig(4, 32, 32), numerics=Numerics())
 
 
 # ---- fused_moe(quant="mxfp4") -----------------------------------------------------------------------------------
@@ -291,18 +347,8 @@ def _check_against_reference(out, args, kw, dtype, **extra):
     assert (out.double() - ref).norm().item() / denom < tol
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("case", ["plain", "gpt_oss", "expert_map", "M1", "topk_equals_E", "all_on_one"])
-def test_fused_moe_mxfp4_matches_the_reference(backend, case):
-    """On the CPU: the torch backend (weights decoded in row chunks) and, under the interpreter, the Triton
-    kernels, against the float64 reference on the dequantized weights."""
-    from devices import INTERPRETING
-
-    from fusedmoe import fused_moe
-    from fusedmoe.workspace.manager import WorkspaceManager
-
-    if backend == "triton" and not INTERPRETING:
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+def _case(case: str):
+    """(fused_moe args, extra keywords) of a named float32 CPU case."""
     dtype, extra = torch.float32, {}
     if case == "plain":
         args = _mx_call(9, 4, 2, 64, 32, device="cpu", dtype=dtype)
@@ -319,9 +365,45 @@ def test_fused_moe_mxfp4_matches_the_reference(backend, case):
         args = _mx_call(6, 3, 3, 32, 32, device="cpu", dtype=dtype)
     else:
         args = _mx_call(12, 4, 1, 32, 32, device="cpu", dtype=dtype, ids=torch.full((12, 1), 2))
-    x, w1, w2, tw, ids, kw = args
+    return args, extra
+
+
+CASES = ["plain", "gpt_oss", "expert_map", "M1", "topk_equals_E", "all_on_one"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_mxfp4_matches_the_reference(backend, case):
+    """On the CPU: the torch backend (weights decoded in row chunks) and, under the interpreter, the Triton
+    kernels, against the float64 reference on the dequantized weights."""
+    from devices import INTERPRETING
+
+    from fusedmoe import fused_moe
+    from fusedmoe.workspace.manager import WorkspaceManager
+
+    if backend == "triton" and not INTERPRETING:
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    (x, w1, w2, tw, ids, kw), extra = _case(case)
     out = fused_moe(x, w1, w2, tw, ids, backend=backend, workspace=WorkspaceManager("cpu", poison=True), **kw, **extra)
-    _check_against_reference(out, (x, w1, w2, tw, ids), kw, dtype, **extra)
+    _check_against_reference(out, (x, w1, w2, tw, ids), kw, torch.float32, **extra)
+
+
+@interpreter
+@pytest.mark.parametrize("block_m", [1, 4])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_mxfp4_decode_sized_blocks(case, block_m):
+    """The multiply-add K loop (BLOCK_M < 16, what decode-sized batches get) through the whole layer, poisoned
+    scratch, against the float64 reference: padding rows of partly filled blocks, idle and non-local experts."""
+    from fusedmoe import fused_moe
+    from fusedmoe.ops.configs import MoEConfig, pinned_config
+    from fusedmoe.workspace.manager import WorkspaceManager
+
+    (x, w1, w2, tw, ids, kw), extra = _case(case)
+    with pinned_config(MoEConfig.simple(block_m, 32, 64)):
+        out = fused_moe(
+            x, w1, w2, tw, ids, backend="triton", workspace=WorkspaceManager("cpu", poison=True), **kw, **extra
+        )
+    _check_against_reference(out, (x, w1, w2, tw, ids), kw, torch.float32, **extra)
 
 
 @pytest.mark.gpu
@@ -375,3 +457,20 @@ def test_mxfp4_never_takes_an_fp8_table():
     for M in (1, 64, 4096):
         cfg = get_config(M, 32, 2880, 2880, 4, quant_mode="mxfp4", device="NVIDIA_H200")
         assert cfg == heuristic_config(M, 32, 2880, 2880, 4, "mxfp4")
+
+
+def test_decode_sized_mxfp4_blocks_take_the_multiply_add_loop():
+    """Up to DECODE_ROWS rows per expert, MXFP4 problems get BLOCK_M 1 (at most one row per expert on average)
+    or 4, never other modes; above it, 16-row tiles and dots as before."""
+    from fusedmoe.ops.configs import DECODE_ROWS, heuristic_config
+    from fusedmoe.ops.expert_gemm import MIN_DOT_BLOCK_M
+
+    E, H, I, k = 32, 2880, 2880, 4  # gpt-oss-20b: rows per expert = M * k / E
+    assert heuristic_config(1, E, H, I, k, "mxfp4").block_m == 1
+    assert heuristic_config(8, E, H, I, k, "mxfp4").block_m == 1  # one row per expert
+    assert heuristic_config(32, E, H, I, k, "mxfp4").block_m == 4
+    assert heuristic_config(DECODE_ROWS * E // k + 1, E, H, I, k, "mxfp4").block_m >= MIN_DOT_BLOCK_M
+    for mode in (None, "fp8_token", "fp8_block"):
+        assert heuristic_config(1, E, H, I, k, mode).block_m >= MIN_DOT_BLOCK_M
+    small = heuristic_config(1, 4, 64, 96, 2, "mxfp4")  # tiles never wider than the problem, K tiles >= 32
+    assert small.gemm1.block_k == 64 and small.gemm2.block_k == 128

@@ -106,6 +106,25 @@ def test_table_records_failures():
 def test_block_m_options_cover_the_grid():
     assert block_m_options(1, 8, 128) == [16] and block_m_options(4096, 8, 128) == [128]
     assert block_m_options(64, 8, 128) == [16, 32]  # 4 rows per expert: two plausible tiles
+    # MXFP4 also tries the multiply-add loop's decode-sized blocks, up to DECODE_ROWS rows per expert
+    assert block_m_options(1, 4, 32, mxfp4=True) == [1, 16] and block_m_options(8, 4, 32, mxfp4=True) == [1, 16]
+    assert block_m_options(32, 4, 32, mxfp4=True) == [1, 4, 16]
+    assert 1 not in block_m_options(64, 4, 32, mxfp4=True) and block_m_options(1, 4, 32) == [16]
+
+
+def test_mxfp4_search_space():
+    """gpt-oss-20b in MXFP4: decode-sized candidates at small M, K tiles of whole scale groups and not doubled
+    (the activations are bf16, not fp8)."""
+    from fusedmoe.tools.tune import DTYPES, Target
+
+    assert "mxfp4" in DTYPES
+    t = Target.of("gpt-oss-20b", "mxfp4")
+    assert t.quant.mode == "mxfp4" and t.block_shape is None
+    space = t.search_space([1, 4096], quick=False)
+    bms, c1, c2 = space[1]
+    assert bms == [1, 16] and [g.block_k for g in c1[1]] == [bk for _, bk, *_ in _GEMM1[1]]
+    assert all(g.block_m == 1 and g.block_k % 32 == 0 for g in c1[1] + c2[1])
+    assert space[4096][0] == [128]
 
 
 # ---- tiles fitted to the element size ------------------------------------------------------------------------

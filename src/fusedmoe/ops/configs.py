@@ -41,7 +41,8 @@ ENV_DIR = "FUSEDMOE_CONFIG_DIR"
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes and launch settings of one grouped GEMM (all block sizes powers of two >= 16)."""
+    """Tile sizes and launch settings of one grouped GEMM (all block sizes powers of two >= 16, except BLOCK_M
+    of MXFP4 GEMMs, whose multiply-add K loop takes 1 to 8 rows)."""
 
     block_m: int
     block_n: int
@@ -188,12 +189,24 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return min(p, cap)
 
 
+#: MXFP4 problems with at most this many rows per expert (on average) take decode-sized blocks (BLOCK_M 1 or 4).
+DECODE_ROWS = 4
+
+
 def heuristic_config(
     M: int, E: int, H: int, I: int, top_k: int, quant_mode: str | None = None, block_shape: BlockShape | None = None
 ) -> MoEConfig:
     """A Hopper-minded default by average rows per expert (patterned on tuned H200 tables); ``block_shape`` does
     not change it (it is taken for the same call shape as :func:`get_config`)."""
     rows = M * top_k / max(E, 1)
+    if quant_mode == "mxfp4" and rows <= DECODE_ROWS:
+        # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding) over
+        # deep K tiles (bytes in flight per program: BLOCK_K / 2 per column) and narrow N tiles (more programs).
+        bm = 1 if rows <= 1 else 4
+        g = GemmConfig(bm, 16, 512 if bm == 1 else 128, 1, 4, 2)
+        g1 = replace(g, block_k=_pow2_at_most(H, g.block_k))
+        g2 = replace(g, block_k=_pow2_at_most(I, g.block_k))
+        return MoEConfig(g1, g2)
     fp8 = quant_mode is not None
     bk_small = 256 if fp8 else 128
     if rows <= 1:

@@ -17,9 +17,11 @@ All choices are constexprs, so every kernel compiles to the code it had with the
 fp8 (e4m3, w8a8) scales by ``QUANT`` (codes of :data:`QUANT_CODES`):
   1 ``fp8_tensor``: acc * a_scale[0] * w_scale[e];   2 ``fp8_token``: acc * a_scale[row] * w_scale[e, col];
   3 ``fp8_block``: per K tile (BLOCK_K divides the group), acc += dot * a_scale[row, kg] * w_scale[e, col//gn, kg].
-MXFP4 weights (w4a16) by ``QUANT`` 4 (decoded in registers with float arithmetic: float32 activations and the CPU
-interpreter) or 5 (``tl.dot_scaled``, whose compiler-generated upcast is cheaper: bf16 on the GPU);
-:func:`mxfp4_quant_code` picks.
+MXFP4 weights (w4a16) by ``QUANT`` 4 (decoded in registers by integer bit assembly into the activation dtype, then
+dots: float32 and fp16 activations and the CPU interpreter), 5 (``tl.dot_scaled``, whose compiler-generated
+upcast is cheaper: bf16 on the GPU) or 6 (decoded as for 4, then multiply-adds on the CUDA cores instead of a dot:
+BLOCK_M < 16, decode-sized blocks of one to a few rows, where a tensor-core tile would be mostly padding and
+the layer is bound by reading the weights); :func:`mxfp4_quant_code` picks.
 
 The host half: :class:`Numerics` (quantization mode, scales, scale groups and fp32 dot precision of a GEMM's
 operands, as the op wrappers take them), :func:`check_operands` (the dtype and scale rules of every wrapper),
@@ -42,6 +44,10 @@ from .configs import GemmConfig
 QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
 #: The kernel code of MXFP4 through ``tl.dot_scaled`` (see :func:`mxfp4_quant_code`).
 MXFP4_SCALED_DOT = 5
+#: The kernel code of MXFP4 by multiply-adds on the CUDA cores, for BLOCK_M < 16 (see :func:`mxfp4_quant_code`).
+MXFP4_FMA = 6
+#: BLOCK_M below this is too short for a tensor-core dot (MXFP4 only: its K loop can do without one).
+MIN_DOT_BLOCK_M = 16
 #: Diagnostic switch: ``FUSEDMOE_MXFP4_DOT=decode`` keeps MXFP4 on the register decode everywhere (to compare).
 ENV_MXFP4_DOT = "FUSEDMOE_MXFP4_DOT"
 
@@ -97,10 +103,12 @@ def k_loop(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """The K loop of one tile: :func:`_k_loop_mxfp4` (QUANT 4) or :func:`_k_loop_mxfp4_scaled` (QUANT 5) for
-    MXFP4 weights, else :func:`_k_loop_dense`."""
+    """The K loop of one tile: :func:`_k_loop_mxfp4` (QUANT 4: dots; 6: multiply-adds) or
+    :func:`_k_loop_mxfp4_scaled` (QUANT 5) for MXFP4 weights, else :func:`_k_loop_dense`."""
     if QUANT == 4:
-        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE)
+        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, False)
+    elif QUANT == 6:
+        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, True)
     elif QUANT == 5:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
     else:
@@ -112,20 +120,44 @@ def k_loop(
 
 @triton.jit
 def _e2m1(code):
-    """float32 value of e2m1 codes (uint8 in [0, 16)): sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0."""
-    e = ((code >> 1) & 3).to(tl.float32)
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0.0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2(e - 1.0))
-    return tl.where((code & 8) != 0, -mag, mag)
+    """float32 value of e2m1 codes (integers in [0, 16)): sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0.
+    The float32 bits are assembled with integer operations (no exp2: a special-function-unit instruction per
+    element limited the decode): exponent e > 0 gives 2^(e-1) (1 + m/2), e = 0 gives m/2."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr):
+def _e8m0(s):
+    """float32 value 2^(s - 127) of e8m0 scale bytes ``s``, from their bits: exponent field s, or the subnormal
+    2^-127 for s = 0 (255, NaN in the OCP format and never written by our quantizer, gives inf as in
+    :func:`fusedmoe.mxfp4.dequantize_mxfp4`)."""
+    s = s.to(tl.int32)
+    bits = tl.where(s == 0, 1 << 22, s << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _k_loop_mxfp4(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    IEEE: tl.constexpr,
+    FMA: tl.constexpr,
+):
     """:func:`k_loop` for MXFP4 weights (w4a16): ``w_ptr`` holds bytes [N(, 2N), K / 2], byte ``j`` of a row
     packing elements ``2j`` (low nibble) and ``2j + 1`` (high nibble); ``w_scale_ptr`` holds e8m0 bytes
     [N(, 2N), K / 32] (value ``2^(s - 127)``; strides ``stride_wse/wsn/wsk`` of ``scales``). Each K tile decodes
-    its weight bytes in registers into the activation dtype and runs two dots: the even K columns of ``a`` against
-    the low nibbles, the odd ones against the high nibbles. BLOCK_K and K are multiples of 32."""
+    its weight bytes in registers and multiplies the even K columns of ``a`` by the low nibbles, the odd ones by the
+    high nibbles: two dots in the activation dtype, or with ``FMA`` float32 multiply-adds (any BLOCK_M).
+    BLOCK_K and K are multiples of 32."""
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
     a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
@@ -141,9 +173,10 @@ def _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GAT
         j_ok = offs_j < (K - kt * BLOCK_K) // 2
         a_e = tl.load(a_even, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
         a_o = tl.load(a_even + stride_ak, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-        acc_g = _mxfp4_dots(a_e, a_o, g_ptrs, gs_ptrs, j_ok, acc_g, IEEE)
+        acc_g = _mxfp4_products(a_e, a_o, g_ptrs, gs_ptrs, j_ok, acc_g, IEEE, FMA)
         if GATED:
-            acc_u = _mxfp4_dots(a_e, a_o, g_ptrs + N * stride_wn, gs_ptrs + N * stride_wsn, j_ok, acc_u, IEEE)
+            u_ptrs = g_ptrs + N * stride_wn
+            acc_u = _mxfp4_products(a_e, a_o, u_ptrs, gs_ptrs + N * stride_wsn, j_ok, acc_u, IEEE, FMA)
         a_even += BLOCK_K * stride_ak
         g_ptrs += HALF * stride_wk
         gs_ptrs += (HALF // 16) * stride_wsk
@@ -151,15 +184,19 @@ def _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GAT
 
 
 @triton.jit
-def _mxfp4_dots(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr):
+def _mxfp4_products(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr, FMA: tl.constexpr):
     """``acc + a_e @ lo + a_o @ hi`` for the weight bytes at ``w_ptrs`` [BLOCK_K / 2, BLOCK_N] decoded with the
-    e8m0 scales at ``s_ptrs``; bytes past K (``j_ok``) decode to 0."""
+    e8m0 scales at ``s_ptrs``; bytes past K (``j_ok``) decode to 0. ``FMA``: float32 products summed over K in
+    registers (no dot, so any number of rows), else two dots in the activation dtype."""
     b = tl.load(w_ptrs, mask=j_ok[:, None], other=0)
-    scale = tl.exp2(tl.load(s_ptrs, mask=j_ok[:, None], other=127).to(tl.float32) - 127.0)
-    lo = (_e2m1(b & 15) * scale).to(a_e.dtype)
-    hi = (_e2m1(b >> 4) * scale).to(a_e.dtype)
-    acc = _mma(a_e, lo, acc, IEEE)
-    return _mma(a_o, hi, acc, IEEE)
+    scale = _e8m0(tl.load(s_ptrs, mask=j_ok[:, None], other=127))
+    lo = _e2m1(b & 15) * scale
+    hi = _e2m1(b >> 4) * scale
+    if FMA:
+        acc += tl.sum(a_e.to(tl.float32)[:, :, None] * lo[None, :, :], axis=1)
+        return acc + tl.sum(a_o.to(tl.float32)[:, :, None] * hi[None, :, :], axis=1)
+    acc = _mma(a_e, lo.to(a_e.dtype), acc, IEEE)
+    return _mma(a_o, hi.to(a_e.dtype), acc, IEEE)
 
 
 @triton.jit
@@ -369,10 +406,14 @@ class Numerics(NamedTuple):
 def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: GemmConfig) -> None:
     """The dtype and scale rules of every expert GEMM: a known mode; fp8: both scales given and e4m3 operands;
     mxfp4: float activations, uint8 weights and e8m0 (uint8) weight scales [E, N, K / 32], BLOCK_K a multiple of
-    32; else one dtype; fp8_block: BLOCK_K divides the K scale group."""
+    32; else one dtype; fp8_block: BLOCK_K divides the K scale group; BLOCK_M below 16 only for mxfp4."""
     mode = num.mode
     if mode not in QUANT_CODES:
         raise ValueError(f"unknown quant_mode {mode!r}")
+    if config.block_m < MIN_DOT_BLOCK_M and mode != "mxfp4":
+        raise ValueError(
+            f"BLOCK_M {config.block_m} < {MIN_DOT_BLOCK_M} needs MXFP4 weights (the other modes' K loops are dots)"
+        )
     if mode == "mxfp4":
         if w.dtype != torch.uint8 or num.w_scale is None or num.w_scale.dtype != torch.uint8:
             raise TypeError("mxfp4: weights and w_scale must be uint8 (packed e2m1 pairs, e8m0 exponents)")
@@ -424,10 +465,13 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
     return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
 
-def mxfp4_quant_code(dtype: torch.dtype) -> int:
-    """The kernel code of MXFP4 weights with ``dtype`` activations: 5 (``tl.dot_scaled``) for bf16 on the GPU,
-    else 4 (register decode: float32 and fp16, which Triton 3.6's ``dot_scaled`` does not compile; the CPU
-    interpreter, which has no ``dot_scaled``; or ``FUSEDMOE_MXFP4_DOT=decode``)."""
+def mxfp4_quant_code(dtype: torch.dtype, block_m: int = MIN_DOT_BLOCK_M) -> int:
+    """The kernel code of MXFP4 weights with ``dtype`` activations in ``block_m``-row tiles: 6 (multiply-adds, no
+    dot) below :data:`MIN_DOT_BLOCK_M` rows; else 5 (``tl.dot_scaled``) for bf16 on the GPU, else 4 (register
+    decode and dots: float32 and fp16, which Triton 3.6's ``dot_scaled`` does not compile; the CPU interpreter,
+    which has no ``dot_scaled``; or ``FUSEDMOE_MXFP4_DOT=decode``)."""
+    if block_m < MIN_DOT_BLOCK_M:
+        return MXFP4_FMA
     if dtype != torch.bfloat16 or os.environ.get("TRITON_INTERPRET") == "1":
         return QUANT_CODES["mxfp4"]
     return QUANT_CODES["mxfp4"] if os.environ.get(ENV_MXFP4_DOT) == "decode" else MXFP4_SCALED_DOT
@@ -441,7 +485,7 @@ def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, act
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
-        "QUANT": mxfp4_quant_code(dtype) if num.mode == "mxfp4" else QUANT_CODES[num.mode],
+        "QUANT": mxfp4_quant_code(dtype, config.block_m) if num.mode == "mxfp4" else QUANT_CODES[num.mode],
         "GROUP_N": num.block_shape[0],
         "GROUP_K": num.block_shape[1],
         "GATED": activation is not None,

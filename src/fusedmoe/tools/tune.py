@@ -14,8 +14,8 @@ instead of writing a table that silently holds the survivors.
 With ``--jobs N`` the kernels of every candidate are compiled first by N worker processes (Triton's on-disk
 cache then serves the timing process), which turns a preset's minutes of serial compilation into seconds.
 
-The result is written as ``E=..,N=..,device_name=..[,dtype=fp8_w8a8[,per_token|,block_shape=[..]]].json`` with
-``gemm1``/``gemm2`` entries per M.
+The result is written as ``E=..,N=..,device_name=..[,dtype=fp8_w8a8[,per_token|,block_shape=[..]]].json`` (MXFP4:
+``,dtype=mxfp4_w4a16``) with ``gemm1``/``gemm2`` entries per M.
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
-DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block")
+DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block", "mxfp4")
 
 # (block_n, block_k, group_m, num_warps, num_stages) per BLOCK_M; GEMM1 tiles cover gate and up (two
 # accumulators), so they are half as wide as GEMM2's for the same registers.
 _GEMM1 = {
+    # MXFP4's decode-sized blocks (multiply-adds, no dot): deep K tiles keep the weight bytes in flight
+    1: [(16, 512, 1, 4, 2), (32, 256, 1, 4, 2), (16, 256, 1, 4, 3), (32, 512, 1, 8, 2), (64, 128, 1, 4, 3)],
+    4: [(16, 128, 1, 4, 2), (32, 128, 1, 4, 2), (16, 256, 1, 8, 2), (32, 64, 1, 4, 3)],
     16: [
         (32, 128, 1, 4, 4),
         (64, 128, 1, 4, 3),
@@ -48,6 +51,8 @@ _GEMM1 = {
     128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 2)],
 }
 _GEMM2 = {
+    1: [(16, 512, 1, 4, 2), (32, 256, 1, 4, 2), (16, 256, 1, 4, 3), (32, 512, 1, 8, 2), (64, 128, 1, 4, 3)],
+    4: [(16, 128, 1, 4, 2), (32, 128, 1, 4, 2), (16, 256, 1, 8, 2), (32, 64, 1, 4, 3)],
     16: [
         (64, 128, 1, 4, 4),
         (128, 128, 1, 4, 3),
@@ -87,9 +92,14 @@ def failure_reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
 
 
-def block_m_options(M: int, top_k: int, E: int) -> list[int]:
-    """Plausible BLOCK_M values for M tokens: by the average rows per expert."""
+def block_m_options(M: int, top_k: int, E: int, mxfp4: bool = False) -> list[int]:
+    """Plausible BLOCK_M values for M tokens: by the average rows per expert (MXFP4: also the decode-sized
+    blocks of its multiply-add K loop up to DECODE_ROWS rows)."""
+    from ..ops.configs import DECODE_ROWS
+
     rows = M * top_k / max(E, 1)
+    if mxfp4 and rows <= DECODE_ROWS:
+        return [1, 4, 16] if rows > 1 else [1, 16]
     if rows <= 2:
         return [16]
     if rows <= 8:
@@ -238,11 +248,11 @@ class Target:
 
     def search_space(self, ms, quick: bool) -> dict[int, tuple[list[int], dict, dict]]:
         """Per M: (BLOCK_M options, GEMM1 candidates per BLOCK_M, GEMM2 candidates per BLOCK_M)."""
-        fp8 = self.quant is not None
+        fp8 = self.quant is not None and self.quant.fp8
         bk_cap = self.block_shape[1] if self.block_shape else None
         space = {}
         for M in ms:
-            bms = block_m_options(M, self.k, self.E)
+            bms = block_m_options(M, self.k, self.E, mxfp4=self.dtype == "mxfp4")
             c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick) for bm in bms}
             c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick) for bm in bms}
             space[M] = (bms, c1, c2)
@@ -399,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = _smem_limit(torch.cuda.current_device())
 
     def fits(t: Target, g, gemm: str) -> str | None:
-        need = smem_bytes(g, 1 if t.quant is not None else 2, gemm == "gemm1")  # bf16 or fp8 operands
+        need = smem_bytes(g, 1 if t.quant is not None and t.quant.fp8 else 2, gemm == "gemm1")  # fp8 or bf16 ones
         return None if need <= limit else f"skipped: shared memory estimate {need} B > {limit} B"
 
     targets = [Target.of(name, dtype) for name in presets for dtype in dtypes]
