@@ -172,6 +172,27 @@ def test_poison_bit_identical(quant, device):
     assert torch.equal(clean, dirty)
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("quant", [None, "fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block"])
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_decode_sized_blocks(quant, block_m, device):
+    """Blocks of fewer than 16 rows take the multiply-add K loop (no tensor-core tile): against the reference in
+    float and every fp8 mode (with non-local experts, activation on the input side for one), and bit-identical
+    under poison; K and N not multiples of the tiles."""
+    dtype = ACT_DTYPE[device] if quant else (torch.float32 if device == "cpu" else torch.bfloat16)
+    emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32, device=device)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-2, 6, (9, 2), generator=g, dtype=torch.int32)
+    case = _case(9, 40, 24, 4, 2, ids=ids, quant=quant, device=device, dtype=dtype)
+    tol = tolerance(dtype, quantized=quant is not None)
+    with pinned_config(MoEConfig.simple(block_m, 16, 32)):
+        clean, ref = _run(*case, emap=emap, strategy="alloc_zeros")
+        dirty, _ = _run(*case, emap=emap, poison=True)
+        assert relative_error(clean, ref) < tol and torch.isfinite(clean).all() and torch.equal(clean, dirty)
+        out, ref = _run(*_case(7, 40, 24, 4, 2, quant=quant, device=device, dtype=dtype), on_input=True)
+        assert relative_error(out, ref) < tol
+
+
 @pytest.mark.slow
 @interpreter
 def test_multi_program_alignment_path(monkeypatch):

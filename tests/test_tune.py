@@ -106,10 +106,10 @@ def test_table_records_failures():
 def test_block_m_options_cover_the_grid():
     assert block_m_options(1, 8, 128) == [16] and block_m_options(4096, 8, 128) == [128]
     assert block_m_options(64, 8, 128) == [16, 32]  # 4 rows per expert: two plausible tiles
-    # MXFP4 also tries the multiply-add loop's decode-sized blocks, up to DECODE_ROWS rows per expert
-    assert block_m_options(1, 4, 32, mxfp4=True) == [1, 16] and block_m_options(8, 4, 32, mxfp4=True) == [1, 16]
-    assert block_m_options(32, 4, 32, mxfp4=True) == [1, 4, 16]
-    assert 1 not in block_m_options(64, 4, 32, mxfp4=True) and block_m_options(1, 4, 32) == [16]
+    # quantized dtypes also try the multiply-add loops' decode-sized blocks, up to DECODE_ROWS rows per expert
+    assert block_m_options(1, 4, 32, decode_blocks=True) == [1, 16] == block_m_options(8, 4, 32, decode_blocks=True)
+    assert block_m_options(32, 4, 32, decode_blocks=True) == [1, 4, 16]
+    assert 1 not in block_m_options(64, 4, 32, decode_blocks=True) and block_m_options(1, 4, 32) == [16]
 
 
 def test_mxfp4_search_space():
@@ -125,6 +125,8 @@ def test_mxfp4_search_space():
     assert bms == [1, 16] and [g.block_k for g in c1[1]] == [bk for _, bk, *_ in _GEMM1[1]]
     assert all(g.block_m == 1 and g.block_k % 32 == 0 for g in c1[1] + c2[1])
     assert space[4096][0] == [128]
+    assert Target.of("qwen3-30b-a3b", "fp8_block").search_space([1], quick=True)[1][0] == [1, 16]
+    assert Target.of("qwen3-30b-a3b", "bf16").search_space([1], quick=True)[1][0] == [16]
 
 
 # ---- tiles fitted to the element size ------------------------------------------------------------------------

@@ -200,10 +200,10 @@ def heuristic_config(
     not change it (it is taken for the same call shape as :func:`get_config`)."""
     rows = M * top_k / max(E, 1)
     if quant_mode == "mxfp4" and rows <= DECODE_ROWS:
-        # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding) over
-        # deep K tiles (bytes in flight per program: BLOCK_K / 2 per column) and narrow N tiles (more programs).
+        # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding), narrow
+        # N tiles (more programs) and 8 warps (97 / 113 registers per thread for sm_90: compile_probe).
         bm = 1 if rows <= 1 else 4
-        g = GemmConfig(bm, 16, 512 if bm == 1 else 128, 1, 4, 2)
+        g = GemmConfig(bm, 16, 256 if bm == 1 else 128, 1, 8, 2)
         g1 = replace(g, block_k=_pow2_at_most(H, g.block_k))
         g2 = replace(g, block_k=_pow2_at_most(I, g.block_k))
         return MoEConfig(g1, g2)

@@ -17,6 +17,8 @@ All choices are constexprs, so every kernel compiles to the code it had with the
 fp8 (e4m3, w8a8) scales by ``QUANT`` (codes of :data:`QUANT_CODES`):
   1 ``fp8_tensor``: acc * a_scale[0] * w_scale[e];   2 ``fp8_token``: acc * a_scale[row] * w_scale[e, col];
   3 ``fp8_block``: per K tile (BLOCK_K divides the group), acc += dot * a_scale[row, kg] * w_scale[e, col//gn, kg].
+Tiles of fewer than 16 rows (BLOCK_M 1, 2, 4 or 8: decode-sized blocks) run :func:`_k_loop_fma`, the same
+products summed by multiply-adds in float32 registers (no 16-row tensor-core tile that would be mostly padding).
 MXFP4 weights (w4a16) by ``QUANT`` 4 (decoded in registers by integer bit assembly into the activation dtype, then
 dots: float32 and fp16 activations and the CPU interpreter), 5 (``tl.dot_scaled``, whose compiler-generated
 upcast is cheaper: bf16 on the GPU) or 6 (decoded as for 4, then multiply-adds on the CUDA cores instead of a dot:
@@ -46,8 +48,9 @@ QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4"
 MXFP4_SCALED_DOT = 5
 #: The kernel code of MXFP4 by multiply-adds on the CUDA cores, for BLOCK_M < 16 (see :func:`mxfp4_quant_code`).
 MXFP4_FMA = 6
-#: BLOCK_M below this is too short for a tensor-core dot (MXFP4 only: its K loop can do without one).
+#: BLOCK_M below this is too short for a tensor-core dot: such tiles take the multiply-add K loops.
 MIN_DOT_BLOCK_M = 16
+MIN_DOT_ROWS = tl.constexpr(MIN_DOT_BLOCK_M)
 #: Diagnostic switch: ``FUSEDMOE_MXFP4_DOT=decode`` keeps MXFP4 on the register decode everywhere (to compare).
 ENV_MXFP4_DOT = "FUSEDMOE_MXFP4_DOT"
 
@@ -104,13 +107,16 @@ def k_loop(
     EVEN_K: tl.constexpr,
 ):
     """The K loop of one tile: :func:`_k_loop_mxfp4` (QUANT 4: dots; 6: multiply-adds) or
-    :func:`_k_loop_mxfp4_scaled` (QUANT 5) for MXFP4 weights, else :func:`_k_loop_dense`."""
+    :func:`_k_loop_mxfp4_scaled` (QUANT 5) for MXFP4 weights, else :func:`_k_loop_dense` (dots) or, for fewer
+    than 16 rows (BLOCK_M), :func:`_k_loop_fma` (multiply-adds)."""
     if QUANT == 4:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, False)
     elif QUANT == 6:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, True)
     elif QUANT == 5:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
+    elif row_ok.shape[0] < MIN_DOT_ROWS:
+        acc_g, acc_u = _k_loop_fma(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED)
     else:
         acc_g, acc_u = _k_loop_dense(
             a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K
@@ -193,8 +199,7 @@ def _mxfp4_products(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr, FMA
     lo = _e2m1(b & 15) * scale
     hi = _e2m1(b >> 4) * scale
     if FMA:
-        acc += tl.sum(a_e.to(tl.float32)[:, :, None] * lo[None, :, :], axis=1)
-        return acc + tl.sum(a_o.to(tl.float32)[:, :, None] * hi[None, :, :], axis=1)
+        return acc + _fma_dot(a_e, lo) + _fma_dot(a_o, hi)
     acc = _mma(a_e, lo.to(a_e.dtype), acc, IEEE)
     return _mma(a_o, hi.to(a_e.dtype), acc, IEEE)
 
@@ -237,6 +242,70 @@ def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constex
 def _scaled_dot(a, w_bytes, w_scales, acc):
     """``acc + a @ decode(w_bytes, w_scales)`` for bf16 ``a`` (Triton 3.6 fails to compile the fp16 form)."""
     return tl.dot_scaled(a, None, "bf16", w_bytes, w_scales, "e2m1", acc)
+
+
+@triton.jit
+def _fma_dot(a, w):
+    """``a @ w`` in float32 by multiply-adds on the CUDA cores: a [R, BLOCK_K], w [BLOCK_K, BLOCK_N], any R."""
+    if a.shape[0] == 1:  # one row: a 2D product (a [1, BLOCK_K, BLOCK_N] one costs layout conversions)
+        return tl.sum(tl.reshape(a.to(tl.float32), [a.shape[1], 1]) * w.to(tl.float32), axis=0)[None, :]
+    return tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _k_loop_fma(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GATED: tl.constexpr,
+):
+    """:func:`_k_loop_dense` for tiles of fewer than 16 rows (decode-sized blocks): the same operands, scales and
+    result, the products summed in float32 registers instead of a tensor-core dot (a dot tile has 16 rows at
+    least; with one or a few real rows it would be mostly padding, and such a call is bound by reading the
+    weights). fp8 operands are widened to float32 as loaded; their scales apply as in the dot loop."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+    acc_g = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    acc_u = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kt * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None], other=0.0).to(tl.float32)
+        if QUANT == 3:  # per K tile: the rows' group scales, the columns' block scales
+            kg = (kt * BLOCK_K) // GROUP_K
+            a = a * tl.load(a_scale_ptr + scale_rows * stride_asm + kg * stride_ask, mask=row_ok, other=0.0)[:, None]
+            g = g * tl.load(ws_base + (offs_nw // GROUP_N) * stride_wsn + kg * stride_wsk)[None, :]
+            if GATED:
+                u = u * tl.load(ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn + kg * stride_wsk)[None, :]
+        acc_g += _fma_dot(a, g)
+        if GATED:
+            acc_u += _fma_dot(a, u)
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += BLOCK_K * stride_wk
+    if QUANT == 1:
+        s = tl.load(a_scale_ptr) * tl.load(ws_base)
+        acc_g = acc_g * s
+        if GATED:
+            acc_u = acc_u * s
+    elif QUANT == 2:
+        a_s = tl.load(a_scale_ptr + scale_rows * stride_asm, mask=row_ok, other=0.0)
+        acc_g = acc_g * a_s[:, None] * tl.load(ws_base + offs_nw * stride_wsn)[None, :]
+        if GATED:
+            acc_u = acc_u * a_s[:, None] * tl.load(ws_base + (offs_nw + N) * stride_wsn)[None, :]
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -406,14 +475,10 @@ class Numerics(NamedTuple):
 def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: GemmConfig) -> None:
     """The dtype and scale rules of every expert GEMM: a known mode; fp8: both scales given and e4m3 operands;
     mxfp4: float activations, uint8 weights and e8m0 (uint8) weight scales [E, N, K / 32], BLOCK_K a multiple of
-    32; else one dtype; fp8_block: BLOCK_K divides the K scale group; BLOCK_M below 16 only for mxfp4."""
+    32; else one dtype; fp8_block: BLOCK_K divides the K scale group."""
     mode = num.mode
     if mode not in QUANT_CODES:
         raise ValueError(f"unknown quant_mode {mode!r}")
-    if config.block_m < MIN_DOT_BLOCK_M and mode != "mxfp4":
-        raise ValueError(
-            f"BLOCK_M {config.block_m} < {MIN_DOT_BLOCK_M} needs MXFP4 weights (the other modes' K loops are dots)"
-        )
     if mode == "mxfp4":
         if w.dtype != torch.uint8 or num.w_scale is None or num.w_scale.dtype != torch.uint8:
             raise TypeError("mxfp4: weights and w_scale must be uint8 (packed e2m1 pairs, e8m0 exponents)")

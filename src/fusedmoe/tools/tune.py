@@ -34,9 +34,9 @@ DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block", "mxfp4")
 # (block_n, block_k, group_m, num_warps, num_stages) per BLOCK_M; GEMM1 tiles cover gate and up (two
 # accumulators), so they are half as wide as GEMM2's for the same registers.
 _GEMM1 = {
-    # MXFP4's decode-sized blocks (multiply-adds, no dot): deep K tiles keep the weight bytes in flight
-    1: [(16, 512, 1, 4, 2), (32, 256, 1, 4, 2), (16, 256, 1, 4, 3), (32, 512, 1, 8, 2), (64, 128, 1, 4, 3)],
-    4: [(16, 128, 1, 4, 2), (32, 128, 1, 4, 2), (16, 256, 1, 8, 2), (32, 64, 1, 4, 3)],
+    # decode-sized blocks (multiply-adds, no dot; MXFP4 and fp8): narrow N tiles, 8 warps keep registers < 128
+    1: [(16, 256, 1, 8, 2), (16, 512, 1, 8, 2), (32, 256, 1, 8, 2), (16, 128, 1, 4, 2), (32, 128, 1, 4, 2)],
+    4: [(16, 128, 1, 8, 2), (32, 128, 1, 8, 2), (16, 256, 1, 8, 2), (16, 64, 1, 4, 2)],
     16: [
         (32, 128, 1, 4, 4),
         (64, 128, 1, 4, 3),
@@ -51,8 +51,8 @@ _GEMM1 = {
     128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 2)],
 }
 _GEMM2 = {
-    1: [(16, 512, 1, 4, 2), (32, 256, 1, 4, 2), (16, 256, 1, 4, 3), (32, 512, 1, 8, 2), (64, 128, 1, 4, 3)],
-    4: [(16, 128, 1, 4, 2), (32, 128, 1, 4, 2), (16, 256, 1, 8, 2), (32, 64, 1, 4, 3)],
+    1: [(16, 256, 1, 8, 2), (16, 512, 1, 8, 2), (32, 256, 1, 8, 2), (16, 128, 1, 4, 2), (32, 128, 1, 4, 2)],
+    4: [(16, 128, 1, 8, 2), (32, 128, 1, 8, 2), (16, 256, 1, 8, 2), (16, 64, 1, 4, 2)],
     16: [
         (64, 128, 1, 4, 4),
         (128, 128, 1, 4, 3),
@@ -92,13 +92,14 @@ def failure_reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
 
 
-def block_m_options(M: int, top_k: int, E: int, mxfp4: bool = False) -> list[int]:
-    """Plausible BLOCK_M values for M tokens: by the average rows per expert (MXFP4: also the decode-sized
-    blocks of its multiply-add K loop up to DECODE_ROWS rows)."""
+def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False) -> list[int]:
+    """Plausible BLOCK_M values for M tokens: by the average rows per expert (``decode_blocks``: also the
+    decode-sized blocks of the multiply-add K loops, up to DECODE_ROWS rows; the quantized dtypes, whose calls at
+    decode read fewer weight bytes than a 16-row dot tile can use)."""
     from ..ops.configs import DECODE_ROWS
 
     rows = M * top_k / max(E, 1)
-    if mxfp4 and rows <= DECODE_ROWS:
+    if decode_blocks and rows <= DECODE_ROWS:
         return [1, 4, 16] if rows > 1 else [1, 16]
     if rows <= 2:
         return [16]
@@ -252,7 +253,7 @@ class Target:
         bk_cap = self.block_shape[1] if self.block_shape else None
         space = {}
         for M in ms:
-            bms = block_m_options(M, self.k, self.E, mxfp4=self.dtype == "mxfp4")
+            bms = block_m_options(M, self.k, self.E, decode_blocks=self.dtype != "bf16")
             c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick) for bm in bms}
             c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick) for bm in bms}
             space[M] = (bms, c1, c2)
