@@ -101,6 +101,21 @@ def test_batched_triton_vs_reference_and_poison(quant, device, shape, seed):
     assert torch.equal(out, _run(x, w1, w2, tw, ids, q, kw, poison=True))
 
 
+@pytest.mark.parametrize("device,shape,seed", SHAPES[:2])
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_batched_decode_sized_blocks(quant, block_m, device, shape, seed):
+    """Tiles of fewer than 16 rows (the multiply-add K loop) over the batched layout's per-expert rows, in float
+    and every fp8 mode: the reference, and bit-identical under poison."""
+    dtype = ACT_DTYPE[device]
+    x, w1, w2, tw, ids, q, kw = _case(*shape, device=device, dtype=dtype, quant=quant, seed=seed)
+    with pinned_config(MoEConfig.simple(block_m, 16, 16)):
+        out = _run(x, w1, w2, tw, ids, q, kw)
+        assert torch.equal(out, _run(x, w1, w2, tw, ids, q, kw, poison=True))
+    ref = fused_moe_reference(x, w1, w2, tw, ids, quant=q, **kw)
+    assert relative_error(out, ref) < tolerance(dtype, quantized=q is not None)
+
+
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize("M,E,k,activation", [(1, 4, 4, "gelu"), (7, 1, 1, "silu"), (5, 8, 1, "swigluoai")])
 def test_batched_triton_edges(M, E, k, activation, device, dtype):
