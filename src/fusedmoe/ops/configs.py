@@ -41,8 +41,8 @@ ENV_DIR = "FUSEDMOE_CONFIG_DIR"
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """Tile sizes and launch settings of one grouped GEMM (all block sizes powers of two >= 16, except BLOCK_M
-    of MXFP4 GEMMs, whose multiply-add K loop takes 1 to 8 rows)."""
+    """Tile sizes and launch settings of one grouped GEMM (block sizes powers of two, >= 16 except BLOCK_M: 1 to 8
+    rows run the multiply-add K loops instead of tensor-core dots)."""
 
     block_m: int
     block_n: int
@@ -189,7 +189,8 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return min(p, cap)
 
 
-#: MXFP4 problems with at most this many rows per expert (on average) take decode-sized blocks (BLOCK_M 1 or 4).
+#: MXFP4 problems with at most this many rows per expert (on average) take decode-sized blocks (BLOCK_M 1 or 4)
+#: by default; other formats only from a table or a pin (their tuned tables decide, `fusedmoe tune`).
 DECODE_ROWS = 4
 
 
