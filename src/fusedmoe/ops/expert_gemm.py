@@ -295,6 +295,15 @@ def _k_loop_fma(
             acc_u += _fma_dot(a, u)
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
+    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED)
+
+
+@triton.jit
+def _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT: tl.constexpr, GATED: tl.constexpr):
+    """The fp8 scales that apply once, after the K loop: per tensor (QUANT 1: ``a_scale[0] * w_scale[e]``) or per
+    row and column (QUANT 2: ``a_scale[row] * w_scale[e, col]``); other modes return the accumulators as they are."""
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
     if QUANT == 1:
         s = tl.load(a_scale_ptr) * tl.load(ws_base)
         acc_g = acc_g * s
@@ -391,18 +400,7 @@ def _k_loop_dense(
         if GATED:
             u_ptrs += BLOCK_K * stride_wk
 
-    if QUANT == 1:
-        s = tl.load(a_scale_ptr) * tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse)
-        acc_g = acc_g * s
-        if GATED:
-            acc_u = acc_u * s
-    elif QUANT == 2:
-        a_s = tl.load(a_scale_ptr + scale_rows * stride_asm, mask=row_ok, other=0.0)
-        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-        acc_g = acc_g * a_s[:, None] * tl.load(ws_base + offs_nw * stride_wsn)[None, :]
-        if GATED:
-            acc_u = acc_u * a_s[:, None] * tl.load(ws_base + (offs_nw + N) * stride_wsn)[None, :]
-    return acc_g, acc_u
+    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED)
 
 
 @triton.jit
