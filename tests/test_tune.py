@@ -189,3 +189,17 @@ def test_compile_chunks_cover_every_candidate_once():
             if fits(t, g, "gemm2") is None
         }
         assert g1 == want1 and g2 == want2
+
+
+def test_merge_keeps_the_token_counts_not_retuned(tmp_path):
+    """`tune --merge`: a re-tune of some M replaces those entries of the existing file and keeps the others."""
+    from fusedmoe.tools.tune import merged_table
+
+    path = tmp_path / "E=8,N=64,device_name=X.json"
+    old = {1: MoEConfig.simple(16, 32, 64), 64: MoEConfig.simple(32, 64, 64), 4096: MoEConfig.simple(128, 128, 64)}
+    path.write_text(table_to_json(old, "first run"))
+    new = {1: MoEConfig.simple(1, 16, 256), 8: MoEConfig.simple(1, 16, 128)}
+    table, source = merged_table(path, new, "second run")
+    assert table == {1: new[1], 8: new[8], 64: old[64], 4096: old[4096]}
+    assert source == "second run; M=1,8 merged into: first run"
+    assert merged_table(tmp_path / "absent.json", new, "s") == (new, "s")

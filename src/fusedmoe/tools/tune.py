@@ -21,6 +21,7 @@ The result is written as ``E=..,N=..,device_name=..[,dtype=fp8_w8a8[,per_token|,
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
@@ -205,7 +206,28 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="fewer candidates (first 3 per BLOCK_M)")
     ap.add_argument("--jobs", type=int, default=0, help="processes compiling every candidate first (0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the entries of an existing output file for the token counts not tuned now (re-tune some M only)",
+    )
     return ap
+
+
+def merged_table(path: Path, table: dict, source: str) -> tuple[dict, str]:
+    """(table, source) to write at ``path``: ``table`` over the entries of the file already there (those of the
+    token counts ``table`` does not hold are kept), and a source naming both runs. No file: ``table`` as is."""
+    from ..ops.configs import MoEConfig
+
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return table, source
+    kept = {int(k): MoEConfig.from_dict(v) for k, v in old.items() if not k.startswith("_") and int(k) not in table}
+    if not kept:
+        return table, source
+    ms = ",".join(str(m) for m in sorted(table))
+    return {**kept, **table}, f"{source}; M={ms} merged into: {old.get('_source', 'an untitled table')}"
 
 
 def _calls_per_graph(M: int, top_k: int) -> tuple[int, int]:
@@ -459,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             f"fusedmoe tune --preset {t.preset} --dtype {t.dtype} on {torch.cuda.get_device_name()} (whole "
             f"fused call, CUDA graph); {describe_failures(failures)}"
         )
+        if args.merge:
+            table, source = merged_table(path, table, source)
         path.write_text(table_to_json(table, source, failures=[vars(f) for f in failures]))
         print(f"wrote {path} ({describe_failures(failures)}, {time.time() - t_start:.0f}s)", flush=True)
         del data
