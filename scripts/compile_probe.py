@@ -2,7 +2,7 @@
 compiler made of it: the dot instruction (wgmma or mma.sync), asynchronous copies (pipelined loads), layout
 conversions, shared memory and registers/spills (from the ptxas Triton ships). For comparing K-loop variants
 before spending GPU time. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128]
-[--warps 4] [--stages 3] [--gated 1] [--dump DIR]"""
+[--warps 4] [--stages 3] [--gated 1] [--dump DIR] [--weight-only]"""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def _aligned(name: str, kind: str) -> bool:
     return kind.startswith("*") or (kind == "i32" and name not in ("n_slots", "num_pid_m", "top_k"))
 
 
-def signature(quant: int) -> dict[str, str]:
-    fp8 = 1 <= quant <= 3
-    w_type = "*u8" if quant >= 4 else ("*fp8e4nv" if fp8 else "*bf16")
+def signature(quant: int, weight_only: bool = False) -> dict[str, str]:
+    fp8 = 1 <= quant <= 3 and not weight_only  # fp8 activations (weight-only fp8: bf16 ones)
+    w_type = "*u8" if quant >= 4 else ("*fp8e4nv" if 1 <= quant <= 3 else "*bf16")
     types = {"a_ptr": "*fp8e4nv" if fp8 else "*bf16", "w_ptr": w_type, "out_ptr": "*bf16"}
     types |= {"sorted_ptr": "*i32", "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "a_scale_ptr": "*fp32"}
     types |= {"w_scale_ptr": "*u8" if quant >= 4 else "*fp32", "bias_ptr": "*bf16", "preact_ptr": "*bf16"}
@@ -41,13 +41,13 @@ def signature(quant: int) -> dict[str, str]:
     return sig
 
 
-def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, gated: bool):
+def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, gated: bool, weight_only=False):
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT=quant, GROUP_N=128, GROUP_K=128)
     consts |= dict(GATED=gated, ACTIVATION=0, WEIGHT_ON_INPUT=False, MUL_WEIGHT=not gated, IEEE=False)
     consts |= dict(EVEN_K=False, HAS_BIAS=False, A_SORTED=False, STORE_PREACT=False)
     # as a launch specializes them: unit strides are constants, pointers, N, K and strides multiples of 16
     consts |= {name: 1 for name in UNIT_STRIDES}
-    sig = signature(quant)
+    sig = signature(quant, weight_only)
     for name in consts:
         sig[name] = "constexpr"
     names = [p.name for p in _moe_gemm.params]
@@ -103,11 +103,12 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--gated", type=int, default=1)
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--weight-only", action="store_true", help="fp8 codes with bf16 activations (BLOCK_M < 16)")
     args = ap.parse_args()
     for tile in args.tiles.split(":"):
         bm, bn, bk = (int(v) for v in tile.split(","))
         for q in (int(v) for v in args.quant.split(",")):
-            c = compile_one(q, bm, bn, bk, args.warps, args.stages, bool(args.gated))
+            c = compile_one(q, bm, bn, bk, args.warps, args.stages, bool(args.gated), args.weight_only)
             print(f"QUANT={q} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}: {stats(c)}")
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)

@@ -25,7 +25,7 @@ import torch
 from ..ops import configs
 from ..ops.align import AlignParams, align_params, moe_align
 from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
-from ..ops.expert_gemm import MXFP4_GROUP, Numerics
+from ..ops.expert_gemm import MIN_DOT_BLOCK_M, MXFP4_GROUP, Numerics
 from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
@@ -80,6 +80,12 @@ class TritonLaunch:
     @property
     def group_k(self) -> int:
         return self.block_shape[1]
+
+    @property
+    def weight_only(self) -> bool:
+        """fp8 weights in decode-sized blocks (BLOCK_M < 16): the multiply-add K loop takes the activations as they
+        come (w8a16), so nothing is quantized and no fp8 scratch is planned."""
+        return self.quant_mode in FP8_MODES and self.config.block_m < MIN_DOT_BLOCK_M
 
 
 def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
@@ -228,6 +234,16 @@ def _gemm1(c, sorted_ids, block_expert, act):
 
 
 @step
+def _gemm1_weight_only(c, sorted_ids, block_expert, act):
+    # fp8 weights at decode: the input as it came (float; or fp8 with its scales when prepare quantized it)
+    x = c.x
+    quantized = x.hidden_states.dtype == FP8_DTYPE
+    if quantized and x.a1_scale is None:
+        raise ValueError("fp8 hidden_states need a1_scale")
+    _gemm1_call(c, sorted_ids, block_expert, act, x.hidden_states, x.a1_scale if quantized else None)
+
+
+@step
 def _gemm1_fp8(c, sorted_ids, block_expert, act, a1q, a1_scale=None):
     _gemm1_call(c, sorted_ids, block_expert, act, *gemm1_input(c, a1q, a1_scale))
 
@@ -363,7 +379,7 @@ class TritonExperts(Experts):
         ]
         if not ap.fused:
             specs.append(BufferSpec("align_partial", ap.partial_shape, i32))
-        if L.quant_mode in FP8_MODES:
+        if L.quant_mode in FP8_MODES and not L.weight_only:
             mode, gk = L.quant_mode, L.group_k
             specs.append(BufferSpec("a1q", (M, H), FP8_DTYPE))
             specs.append(BufferSpec("a2q", (S, I), FP8_DTYPE, region="2"))
@@ -380,6 +396,8 @@ class TritonExperts(Experts):
             return []
         if launch.quant_mode not in FP8_MODES:  # unquantized, or MXFP4 weights (the GEMMs' numerics carry them)
             return [_align, _gemm1, _gemm2, _reduce]
+        if launch.weight_only:
+            return [_align, _gemm1_weight_only, _gemm2, _reduce]
         return [_align, _quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8, _reduce]
 
 

@@ -268,7 +268,8 @@ def _k_loop_fma(
     """:func:`_k_loop_dense` for tiles of fewer than 16 rows (decode-sized blocks): the same operands, scales and
     result, the products summed in float32 registers instead of a tensor-core dot (a dot tile has 16 rows at
     least; with one or a few real rows it would be mostly padding, and such a call is bound by reading the
-    weights). fp8 operands are widened to float32 as loaded; their scales apply as in the dot loop."""
+    weights). fp8 operands are widened to float32 as loaded; their scales apply as in the dot loop. Activations
+    may also be unquantized (float, no activation scales) under fp8 weights: weight-only fp8 (w8a16)."""
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
     a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
@@ -284,9 +285,11 @@ def _k_loop_fma(
         g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0).to(tl.float32)
         if GATED:
             u = tl.load(g_ptrs + N * stride_wn, mask=k_ok[:, None], other=0.0).to(tl.float32)
-        if QUANT == 3:  # per K tile: the rows' group scales, the columns' block scales
+        if QUANT == 3:  # per K tile: the rows' group scales (fp8 activations), the columns' block scales
             kg = (kt * BLOCK_K) // GROUP_K
-            a = a * tl.load(a_scale_ptr + scale_rows * stride_asm + kg * stride_ask, mask=row_ok, other=0.0)[:, None]
+            if a_ptr.dtype.element_ty.is_fp8():
+                a_s = tl.load(a_scale_ptr + scale_rows * stride_asm + kg * stride_ask, mask=row_ok, other=0.0)
+                a = a * a_s[:, None]
             g = g * tl.load(ws_base + (offs_nw // GROUP_N) * stride_wsn + kg * stride_wsk)[None, :]
             if GATED:
                 u = u * tl.load(ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn + kg * stride_wsk)[None, :]
@@ -295,25 +298,35 @@ def _k_loop_fma(
             acc_u += _fma_dot(a, u)
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
-    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED)
+    a_scaled: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
+    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED, a_scaled)
 
 
 @triton.jit
-def _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT: tl.constexpr, GATED: tl.constexpr):
+def _scale_after_k(
+    acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT: tl.constexpr, GATED: tl.constexpr, A_SCALED: tl.constexpr
+):
     """The fp8 scales that apply once, after the K loop: per tensor (QUANT 1: ``a_scale[0] * w_scale[e]``) or per
-    row and column (QUANT 2: ``a_scale[row] * w_scale[e, col]``); other modes return the accumulators as they are."""
+    row and column (QUANT 2: ``a_scale[row] * w_scale[e, col]``), the activation's factor only when A_SCALED (fp8
+    activations); other modes return the accumulators as they are."""
     a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
     if QUANT == 1:
-        s = tl.load(a_scale_ptr) * tl.load(ws_base)
+        s = tl.load(ws_base)
+        if A_SCALED:
+            s = s * tl.load(a_scale_ptr)
         acc_g = acc_g * s
         if GATED:
             acc_u = acc_u * s
     elif QUANT == 2:
-        a_s = tl.load(a_scale_ptr + scale_rows * stride_asm, mask=row_ok, other=0.0)
-        acc_g = acc_g * a_s[:, None] * tl.load(ws_base + offs_nw * stride_wsn)[None, :]
+        if A_SCALED:
+            a_s = tl.load(a_scale_ptr + scale_rows * stride_asm, mask=row_ok, other=0.0)
+            acc_g = acc_g * a_s[:, None]
+            if GATED:
+                acc_u = acc_u * a_s[:, None]
+        acc_g = acc_g * tl.load(ws_base + offs_nw * stride_wsn)[None, :]
         if GATED:
-            acc_u = acc_u * a_s[:, None] * tl.load(ws_base + (offs_nw + N) * stride_wsn)[None, :]
+            acc_u = acc_u * tl.load(ws_base + (offs_nw + N) * stride_wsn)[None, :]
     return acc_g, acc_u
 
 
@@ -400,7 +413,7 @@ def _k_loop_dense(
         if GATED:
             u_ptrs += BLOCK_K * stride_wk
 
-    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED)
+    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED, True)
 
 
 @triton.jit
@@ -473,7 +486,8 @@ class Numerics(NamedTuple):
 def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: GemmConfig) -> None:
     """The dtype and scale rules of every expert GEMM: a known mode; fp8: both scales given and e4m3 operands;
     mxfp4: float activations, uint8 weights and e8m0 (uint8) weight scales [E, N, K / 32], BLOCK_K a multiple of
-    32; else one dtype; fp8_block: BLOCK_K divides the K scale group."""
+    32; else one dtype; fp8_block: BLOCK_K divides the K scale group. fp8 weights under float activations
+    (weight-only, no a_scale) only with BLOCK_M < 16, the multiply-add K loop's tiles."""
     mode = num.mode
     if mode not in QUANT_CODES:
         raise ValueError(f"unknown quant_mode {mode!r}")
@@ -491,7 +505,10 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: Gemm
         if config.block_k % MXFP4_GROUP:
             raise ValueError(f"mxfp4: BLOCK_K must be a multiple of {MXFP4_GROUP}, got {config.block_k}")
         return
-    if mode is not None:
+    if mode is not None and weight_only_fp8(a, config):
+        if num.a_scale is not None or num.w_scale is None or w.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{mode} weight-only (float activations): float8_e4m3fn weights, w_scale, no a_scale")
+    elif mode is not None:
         if num.a_scale is None or num.w_scale is None:
             raise ValueError(f"{mode} needs a_scale and w_scale")
         if a.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
@@ -501,6 +518,12 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: Gemm
     gk = num.block_shape[1]
     if mode == "fp8_block" and gk % config.block_k:
         raise ValueError(f"fp8_block: BLOCK_K {config.block_k} must divide the scale group {gk}")
+
+
+def weight_only_fp8(a: torch.Tensor, config: GemmConfig) -> bool:
+    """Whether an fp8 GEMM of activations ``a`` under ``config`` runs weight-only (w8a16): float activations,
+    which only the multiply-add K loop (BLOCK_M < 16) takes unquantized."""
+    return a.dtype != torch.float8_e4m3fn and config.block_m < MIN_DOT_BLOCK_M
 
 
 def weight_k(w: torch.Tensor, num: Numerics) -> int:
@@ -521,11 +544,12 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
         return 0, 0, 0, 0, 0
     if num.mode == "fp8_tensor":
         return 0, 0, w_scale.stride(0), 0, 0
+    a_rows, a_cols = (0, 0) if a_scale is None else (a_scale.stride(0), a_scale.stride(-1))  # None: weight-only
     if num.mode == "fp8_token":
-        return a_scale.stride(0), 0, w_scale.stride(0), w_scale.stride(1), 0
+        return a_rows, 0, w_scale.stride(0), w_scale.stride(1), 0
     if num.mode == "mxfp4":
         return 0, 0, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
-    return a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
+    return a_rows, a_cols, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
 
 def mxfp4_quant_code(dtype: torch.dtype, block_m: int = MIN_DOT_BLOCK_M) -> int:
