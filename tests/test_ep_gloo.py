@@ -127,11 +127,11 @@ def _fp8_worker(rank, world, init_file, modes, queue):
         from fusedmoe.distributed import ExpertParallelKernel, TorchDistributedTransport
         from fusedmoe.experts.base import ExpertsInputs
         from fusedmoe.experts.triton_experts import TritonExperts
-        from fusedmoe.ops.configs import MoEConfig, pin_config
+        from fusedmoe.ops.configs import MoEConfig, pin_config, pinned_config
         from fusedmoe.prepare_finalize.all_to_all import AllToAllPrepareFinalize
         from fusedmoe.problem import MoEProblem
-        from fusedmoe.quant import QuantConfig, quantize_weights
-        from fusedmoe.reference import relative_error
+        from fusedmoe.quant import QuantConfig, dequantize_weight, fake_quantize_activation, quantize_weights
+        from fusedmoe.reference import fused_moe_reference, relative_error
         from fusedmoe.workspace.manager import WorkspaceManager
 
         pin_config(MoEConfig.simple(16, 32, 32))
@@ -166,7 +166,14 @@ def _fp8_worker(rank, world, init_file, modes, queue):
             )
             out = kernel(inputs, p, manager=WorkspaceManager("cpu", poison=True))
             err = relative_error(out, ref) if ref.numel() else float(out.abs().sum())
-            results.append((mode, wire, err))
+            with pinned_config(MoEConfig.simple(1, 16, 32)):  # decode-sized blocks: the fp8 rows with their scales
+                one_row = kernel(inputs, p, manager=WorkspaceManager("cpu", poison=True))
+            # ... weight-only past the wire: GEMM1 on the rows as sent, GEMM2 on its unquantized output
+            d1, d2 = dequantize_weight(w1q, s1, q), dequantize_weight(w2q, s2, q)
+            sent = fake_quantize_activation(xs[rank], q) if xs[rank].numel() else xs[rank]
+            want = fused_moe_reference(sent, d1, d2, w, ids)
+            err_one_row = relative_error(one_row, want) if want.numel() else float(one_row.abs().sum())
+            results.append((mode, wire, err, err_one_row))
         queue.put((rank, results))
     except Exception as exc:  # pragma: no cover - reported by the parent
         queue.put((rank, repr(exc)))
@@ -179,7 +186,8 @@ def _fp8_worker(rank, world, init_file, modes, queue):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton experts on CPU need the interpreter")
 def test_ep_world2_fp8_rows_and_scales_on_the_wire():
     """fp8 per-token and 128-block modes send fp8 rows plus their row scales (the plan's send buffer is fp8)
-    and give the single-process result; a rank with no tokens takes part."""
+    and give the single-process result, also through 1-row blocks (the multiply-add K loop takes the fp8 rows with
+    their scales); a rank with no tokens takes part."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     modes = ["fp8_token", "fp8_block"]
@@ -188,6 +196,7 @@ def test_ep_world2_fp8_rows_and_scales_on_the_wire():
     out = dict(queue.get(timeout=60) for _ in range(2))
     for rank, res in out.items():
         assert not isinstance(res, str), f"rank {rank} failed: {res}"
-        for mode, wire, err in res:
+        for mode, wire, err, err_one_row in res:
             assert wire, f"rank {rank} {mode}: tokens did not travel as fp8"
             assert err < 1e-5, f"rank {rank} {mode}: error {err}"
+            assert err_one_row < 1e-5, f"rank {rank} {mode}: 1-row blocks (multiply-add loop) off by {err_one_row}"
