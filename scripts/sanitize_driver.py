@@ -6,7 +6,7 @@ outside a CUDA allocation; the driver itself checks that the canaries around the
 that results are finite and match the float64 reference on the tokens whose inputs are finite (out-of-range ids
 contribute nothing), and that ``route`` gives in-range ids for NaN/inf logits. Exit status 1 on any finding.
 
-Usage: python scripts/sanitize_driver.py [--quick]
+Usage: python scripts/sanitize_driver.py [--quick] [--quant MODES] [--sizes MS] [--block-m N]
 """
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ import torch
 
 from fusedmoe import WorkspaceManager, fused_moe, get_kernel, route
 from fusedmoe.checks import check_fused_moe_args
-from fusedmoe.quant import QuantConfig, quantize_weights
+from fusedmoe.ops.configs import MoEConfig, pinned_config
+from fusedmoe.quant import QuantConfig, dequantize_weight, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
 
 DEV = torch.device("cuda")
 H, I, E, K, GLOBAL_E = 320, 224, 8, 3, 13  # H, I not multiples of the usual tiles: masked edges
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 PAD = 4096
-QUANTS = [None, "fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block"]
+QUANTS = [None, "fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block", "mxfp4"]
+#: --block-m: every call's tiles pinned to this many rows (below 16: the multiply-add K loops, fp8 weight-only)
+BLOCK_M: list[int | None] = [None]
 FAILURES: list[str] = []
 
 
@@ -114,10 +117,20 @@ def dirty_rows(t: dict) -> torch.Tensor:
     return ~torch.isfinite(t["hidden_states"].float()).all(1) | ~torch.isfinite(t["topk_weights"]).all(1)
 
 
+def reference(t: dict, kw: dict) -> torch.Tensor:
+    """The float64 reference of the call; fp8 weights in decode-sized blocks run weight-only (w8a16), so their
+    reference is the float one on the dequantized weights."""
+    q = kw.get("quant")
+    if q is None or not q.fp8 or (BLOCK_M[0] or 16) >= 16:
+        return fused_moe_reference(*t.values(), **kw)
+    w1, w2 = (dequantize_weight(t[w], kw[f"{w}_scale"], q) for w in ("w1", "w2"))
+    return fused_moe_reference(t["hidden_states"], w1, w2, t["topk_weights"], t["topk_ids"])
+
+
 def check(label: str, out: torch.Tensor, t: dict, kw: dict, checkable: bool, quant) -> None:
     if not checkable:
         return
-    ref = fused_moe_reference(*t.values(), **kw)
+    ref = reference(t, kw)
     clean = ~dirty_rows(t)
     if not bool(torch.isfinite(out[clean].float()).all()):
         fail(f"{label}: NaN/inf in rows whose inputs are finite")
@@ -169,7 +182,9 @@ def main() -> int:
         "--quant", default=None, help="comma-separated subset of: bf16, " + ", ".join(q for q in QUANTS if q)
     )
     ap.add_argument("--sizes", default=None, help="comma-separated batch sizes (default 1,7,300,1500)")
+    ap.add_argument("--block-m", type=int, default=None, help="pin every call's tiles to BLOCK_M rows (1-8: FMA loops)")
     opts = ap.parse_args()
+    BLOCK_M[0] = opts.block_m
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -198,8 +213,10 @@ def main() -> int:
     for quant in quants:
         for M in sizes:
             for name in names:
+                pin = MoEConfig.simple(opts.block_m, 32, 64) if opts.block_m else None
                 try:
-                    run(name, M, quant, mgr)
+                    with pinned_config(pin):
+                        run(name, M, quant, mgr)
                 except Exception:
                     fail(f"{name} M={M} {quant}: exception\n{traceback.format_exc()}")
                 n += 1
