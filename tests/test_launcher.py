@@ -130,6 +130,26 @@ def test_a_recorded_trace_keeps_no_tensor_of_the_call_alive():
         assert [r() for r in refs] == [None] * 4
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_dropped_workspace_manager_is_freed(backend):
+    """fused_moe's verdict cache names the caller's manager by identity and holds it weakly: a manager (and its
+    arena) the caller drops is freed; a new manager gets a verdict of its own and the same result."""
+    import gc
+    import weakref
+
+    args = _inputs(5)
+    mgr = WorkspaceManager(DEV)
+    first = fused_moe(*args, backend=backend, workspace=mgr)
+    assert mgr.stats.calls == 1
+    ref = weakref.ref(mgr)
+    del mgr
+    gc.collect()
+    assert ref() is None
+    other = WorkspaceManager(DEV)
+    torch.testing.assert_close(fused_moe(*args, backend=backend, workspace=other), first, rtol=0, atol=0)
+    assert other.stats.calls == 1  # ran on the manager it was given
+
+
 def test_a_new_signature_records_a_new_trace():
     mgr = WorkspaceManager(DEV)
     a, b = _inputs(0), _inputs(1, row_stride=2 * H)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 
 import torch
 
@@ -141,13 +142,16 @@ def fused_moe(
     if level == "basic" and workspace13 is None and workspace2 is None:
         sig = input_signature(*tensors)
         if sig is not None:
-            key = (sig, activation, apply_router_weight_on_input, global_num_experts, quant, backend, workspace)
+            # the caller's manager by identity: the cache must not keep it (and its arena) alive
+            owner = None if workspace is None else id(workspace)
+            key = (sig, activation, apply_router_weight_on_input, global_num_experts, quant, backend, owner)
             try:
                 verdict = _VERDICTS.get(key)
             except TypeError:  # an unhashable argument: the full validation below names it
                 verdict = key = None
-            if verdict is not None:
-                p, kernel, manager = verdict
+            manager = verdict[2]() if verdict is not None else None
+            if manager is not None and (workspace is None or manager is workspace):
+                p, kernel, _ = verdict
                 x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
                 if torch.is_grad_enabled() and _wants_grad(x):
                     return _differentiable(kernel, x, p, manager, sig, recompute=recompute)
@@ -171,15 +175,16 @@ def fused_moe(
     if key is not None:
         if len(_VERDICTS) > 4096:  # bounded under shape churn
             _VERDICTS.clear()
-        _VERDICTS[key] = (p, kernel, manager)
+        _VERDICTS[key] = (p, kernel, weakref.ref(manager))
     x = ExpertsInputs(*tensors[:6], None, *tensors[6:])
     if torch.is_grad_enabled() and _wants_grad(x):
         return _differentiable(kernel, x, p, manager, sig, workspace13, workspace2, recompute=recompute)
     return kernel(x, p, manager=manager, workspace13=workspace13, workspace2=workspace2, layout_key=sig)
 
 
-#: fused_moe's validation verdicts by (input signature, settings): the problem, kernel and manager to run.
-_VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, WorkspaceManager]] = {}
+#: fused_moe's validation verdicts by (input signature, settings, the caller's manager's id): the problem, the
+#: kernel and a weak reference to the manager to run (a dead or different manager is a miss).
+_VERDICTS: dict[tuple, tuple[MoEProblem, MoEKernel, weakref.ref]] = {}
 
 
 def _wants_grad(x: ExpertsInputs) -> bool:
