@@ -210,16 +210,13 @@ def test_batched_gemms_mxfp4_match_dequantized(device, dtype, block_m):
 
 
 def test_mxfp4_dot_choice(monkeypatch):
-    """bf16 on the GPU takes tl.dot_scaled; float32, fp16, the interpreter and the diagnostic switch decode; blocks
-    of fewer than 16 rows take the multiply-add loop whatever the dtype."""
-    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_FMA, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
+    """bf16 on the GPU takes tl.dot_scaled; float32, fp16, the interpreter and the diagnostic switch decode (tiles of
+    fewer than 16 rows multiply-add under either code: test_triton_experts.test_small_tiles_compile_without_dots)."""
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(ENV_MXFP4_DOT, raising=False)
     assert mxfp4_quant_code(torch.bfloat16) == MXFP4_SCALED_DOT
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # decode-sized blocks: multiply-adds, no dot
-        assert mxfp4_quant_code(dtype, 1) == mxfp4_quant_code(dtype, 8) == MXFP4_FMA
-        assert mxfp4_quant_code(dtype, 16) != MXFP4_FMA
     assert mxfp4_quant_code(torch.float32) == mxfp4_quant_code(torch.float16) == QUANT_CODES["mxfp4"]
     monkeypatch.setenv(ENV_MXFP4_DOT, "decode")
     assert mxfp4_quant_code(torch.bfloat16) == QUANT_CODES["mxfp4"]
@@ -235,7 +232,7 @@ def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
     """The MXFP4 K loops on the GPU (bf16: tl.dot_scaled, then the register decode; fp16: the decode; both: the
     multiply-adds of 1- and 4-row blocks) match GEMM1 on the dequantized weights, with a K tail (H = 96 + 64) and
     N not a multiple of the tile."""
-    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_FMA, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, QUANT_CODES, mxfp4_quant_code
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -257,7 +254,6 @@ def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
         moe_gemm1(x, packed, out, s, b, top_k=k, num_blocks=nb, config=cfg, activation="silu", numerics=num)
         outs[path] = out.float()
     for bm in (1, 4):  # the multiply-add loop of decode-sized blocks
-        assert mxfp4_quant_code(dtype, bm) == MXFP4_FMA
         s_m, b_m, _ = moe_align(ids, E, bm)
         nb_m = grid_blocks(M * k, align_params(M * k, E, bm).max_blocks)
         out = torch.full((M * k, I), float("nan"), device="cuda", dtype=dtype)

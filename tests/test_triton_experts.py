@@ -3,6 +3,8 @@ and on CUDA (float32 and bf16; plus every preset's shape and CUDA-graph replay):
 float and every fp8 mode, edge cases, and poison equality (NaN / 0x7F in every workspace byte gives
 bit-identical output)."""
 
+import os
+
 import pytest
 import torch
 from devices import INTERPRETING, TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpreter, tolerance
@@ -209,6 +211,35 @@ def test_decode_sized_blocks(quant, block_m, device):
         p = MoEProblem(7, 40, 24, 4, 4, 2, x.dtype, w1.dtype, quant=q)
         names = {b.name for b in MoEKernel(LocalPrepareFinalize(), TritonExperts()).plan(p).buffers}
         assert not {"a1q", "a2q", "a1_scale", "a2_scale"} & names
+
+
+def test_small_tiles_compile_without_dots():
+    """Tiles of fewer than 16 rows take the multiply-add K loops in every format: the grouped GEMM compiled for
+    sm_90 offline (scripts/compile_probe.py, no GPU needed) has no mma/wgmma at BLOCK_M 1 and 4 for bf16, fp8
+    per-token, fp8 128-block and both MXFP4 codes; at 16 rows MXFP4's scaled dot is a tensor-core one."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parent.parent / "scripts" / "compile_probe.py"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    runs = (("0,2,3,4,5", "1,16,128:4,16,128"), ("5", "16,32,64"))
+    dots = {}
+    for quant, tiles in runs:
+        out = subprocess.run(
+            [sys.executable, str(probe), "--quant", quant, "--tiles", tiles, "--warps", "4", "--stages", "2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for q, bm, dot in re.findall(r"QUANT=(\d+) tile (\d+)x\S+ .*?'dot': '([^']+)'", out):
+            dots[int(q), int(bm)] = dot
+    assert {key: d for key, d in dots.items() if key[1] < 16} == {
+        (q, bm): "fma" for q in (0, 2, 3, 4, 5) for bm in (1, 4)
+    }
+    assert dots[5, 16] in ("wgmma", "mma.sync")
 
 
 @pytest.mark.slow

@@ -20,10 +20,9 @@ fp8 (e4m3, w8a8) scales by ``QUANT`` (codes of :data:`QUANT_CODES`):
 Tiles of fewer than 16 rows (BLOCK_M 1, 2, 4 or 8: decode-sized blocks) run :func:`_k_loop_fma`, the same
 products summed by multiply-adds in float32 registers (no 16-row tensor-core tile that would be mostly padding).
 MXFP4 weights (w4a16) by ``QUANT`` 4 (decoded in registers by integer bit assembly into the activation dtype, then
-dots: float32 and fp16 activations and the CPU interpreter), 5 (``tl.dot_scaled``, whose compiler-generated
-upcast is cheaper: bf16 on the GPU) or 6 (decoded as for 4, then multiply-adds on the CUDA cores instead of a dot:
-BLOCK_M < 16, decode-sized blocks of one to a few rows, where a tensor-core tile would be mostly padding and
-the layer is bound by reading the weights); :func:`mxfp4_quant_code` picks.
+dots: float32 and fp16 activations and the CPU interpreter) or 5 (``tl.dot_scaled``, whose compiler-generated
+upcast is cheaper: bf16 on the GPU); :func:`mxfp4_quant_code` picks. Below 16 rows both take the decode of 4 with
+multiply-adds instead of dots.
 
 The host half: :class:`Numerics` (quantization mode, scales, scale groups and fp32 dot precision of a GEMM's
 operands, as the op wrappers take them), :func:`check_operands` (the dtype and scale rules of every wrapper),
@@ -46,8 +45,6 @@ from .configs import GemmConfig
 QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
 #: The kernel code of MXFP4 through ``tl.dot_scaled`` (see :func:`mxfp4_quant_code`).
 MXFP4_SCALED_DOT = 5
-#: The kernel code of MXFP4 by multiply-adds on the CUDA cores, for BLOCK_M < 16 (see :func:`mxfp4_quant_code`).
-MXFP4_FMA = 6
 #: BLOCK_M below this is too short for a tensor-core dot: such tiles take the multiply-add K loops.
 MIN_DOT_BLOCK_M = 16
 MIN_DOT_ROWS = tl.constexpr(MIN_DOT_BLOCK_M)
@@ -106,16 +103,15 @@ def k_loop(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """The K loop of one tile: :func:`_k_loop_mxfp4` (QUANT 4: dots; 6: multiply-adds) or
-    :func:`_k_loop_mxfp4_scaled` (QUANT 5) for MXFP4 weights, else :func:`_k_loop_dense` (dots) or, for fewer
-    than 16 rows (BLOCK_M), :func:`_k_loop_fma` (multiply-adds)."""
-    if QUANT == 4:
-        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, False)
-    elif QUANT == 6:
-        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, True)
-    elif QUANT == 5:
+    """The K loop of one tile: for MXFP4 weights :func:`_k_loop_mxfp4_scaled` (QUANT 5) or :func:`_k_loop_mxfp4`
+    (QUANT 4), else :func:`_k_loop_dense`. Tiles of fewer than 16 rows (BLOCK_M) take multiply-adds in every
+    format: :func:`_k_loop_mxfp4` with FMA for MXFP4, :func:`_k_loop_fma` for the others."""
+    fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
+    if QUANT == 5 and not fma:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
-    elif row_ok.shape[0] < MIN_DOT_ROWS:
+    elif QUANT == 4 or QUANT == 5:
+        acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, fma)
+    elif fma:
         acc_g, acc_u = _k_loop_fma(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED)
     else:
         acc_g, acc_u = _k_loop_dense(
@@ -552,13 +548,11 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
     return a_rows, a_cols, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
 
-def mxfp4_quant_code(dtype: torch.dtype, block_m: int = MIN_DOT_BLOCK_M) -> int:
-    """The kernel code of MXFP4 weights with ``dtype`` activations in ``block_m``-row tiles: 6 (multiply-adds, no
-    dot) below :data:`MIN_DOT_BLOCK_M` rows; else 5 (``tl.dot_scaled``) for bf16 on the GPU, else 4 (register
-    decode and dots: float32 and fp16, which Triton 3.6's ``dot_scaled`` does not compile; the CPU interpreter,
-    which has no ``dot_scaled``; or ``FUSEDMOE_MXFP4_DOT=decode``)."""
-    if block_m < MIN_DOT_BLOCK_M:
-        return MXFP4_FMA
+def mxfp4_quant_code(dtype: torch.dtype) -> int:
+    """The kernel code of MXFP4 weights with ``dtype`` activations: 5 (``tl.dot_scaled``) for bf16 on the GPU,
+    else 4 (register decode: float32 and fp16, which Triton 3.6's ``dot_scaled`` does not compile; the CPU
+    interpreter, which has no ``dot_scaled``; or ``FUSEDMOE_MXFP4_DOT=decode``). Tiles of fewer than 16 rows
+    decode and multiply-add under either code (:func:`k_loop`)."""
     if dtype != torch.bfloat16 or os.environ.get("TRITON_INTERPRET") == "1":
         return QUANT_CODES["mxfp4"]
     return QUANT_CODES["mxfp4"] if os.environ.get(ENV_MXFP4_DOT) == "decode" else MXFP4_SCALED_DOT
@@ -572,7 +566,7 @@ def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, act
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
-        "QUANT": mxfp4_quant_code(dtype, config.block_m) if num.mode == "mxfp4" else QUANT_CODES[num.mode],
+        "QUANT": mxfp4_quant_code(dtype) if num.mode == "mxfp4" else QUANT_CODES[num.mode],
         "GROUP_N": num.block_shape[0],
         "GROUP_K": num.block_shape[1],
         "GATED": activation is not None,
