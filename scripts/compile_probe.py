@@ -92,6 +92,9 @@ def stats(c) -> dict[str, object]:
         **ptxas_usage(ptx),
         "ptx_lines": len(ptx.splitlines()),
         "ptx_prmt": len(re.findall(r"\bprmt", ptx)),
+        # shared-memory round trips (layout conversions, cross-warp reductions): in a K loop, each is a stall
+        "bar_sync": len(re.findall(r"\bbar\.sync", ptx)),
+        "shared_ld_st": len(re.findall(r"\b(?:ld|st)\.shared", ptx)),
     }
 
 

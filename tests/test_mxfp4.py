@@ -453,15 +453,16 @@ def test_mxfp4_never_takes_an_fp8_table():
 
 
 def test_decode_sized_mxfp4_blocks_take_the_multiply_add_loop():
-    """Up to DECODE_ROWS rows per expert, MXFP4 problems get BLOCK_M 1 (at most one row per expert on average)
-    or 4, never other modes; above it, 16-row tiles and dots as before."""
+    """Up to DECODE_ROWS rows per expert, MXFP4 problems get one-row blocks with the rows of an expert side by side
+    in the grid (GROUP_M > 1), never other modes; above it, 16-row tiles and dots as before."""
     from fusedmoe.ops.configs import DECODE_ROWS, heuristic_config
     from fusedmoe.ops.expert_gemm import MIN_DOT_BLOCK_M
 
     E, H, I, k = 32, 2880, 2880, 4  # gpt-oss-20b: rows per expert = M * k / E
     assert heuristic_config(1, E, H, I, k, "mxfp4").block_m == 1
     assert heuristic_config(8, E, H, I, k, "mxfp4").block_m == 1  # one row per expert
-    assert heuristic_config(32, E, H, I, k, "mxfp4").block_m == 4
+    decode = heuristic_config(DECODE_ROWS * E // k, E, H, I, k, "mxfp4")
+    assert decode.block_m == 1 and decode.gemm1.group_m > 1 and decode.gemm2.group_m > 1
     assert heuristic_config(DECODE_ROWS * E // k + 1, E, H, I, k, "mxfp4").block_m >= MIN_DOT_BLOCK_M
     for mode in (None, "fp8_token", "fp8_block"):
         assert heuristic_config(1, E, H, I, k, mode).block_m >= MIN_DOT_BLOCK_M

@@ -201,10 +201,12 @@ def heuristic_config(
     not change it (it is taken for the same call shape as :func:`get_config`)."""
     rows = M * top_k / max(E, 1)
     if quant_mode == "mxfp4" and rows <= DECODE_ROWS:
-        # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding), narrow
-        # N tiles (more programs) and 8 warps (97 / 113 registers per thread for sm_90: compile_probe).
-        bm = 1 if rows <= 1 else 4
-        g = GemmConfig(bm, 16, 256 if bm == 1 else 128, 1, 8, 2)
+        # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding) on one
+        # row per block, narrow N tiles (more programs) and 8 warps: 64 registers per thread and no layout
+        # conversion in the loop for sm_90 (compile_probe; 4-row blocks convert the weights every K tile). An
+        # expert's rows read the same weight tiles side by side: GROUP_M 8 puts their blocks next to each other in
+        # the grid, so the repeats come from L2.
+        g = GemmConfig(1, 16, 256, 8, 8, 2)
         g1 = replace(g, block_k=_pow2_at_most(H, g.block_k))
         g2 = replace(g, block_k=_pow2_at_most(I, g.block_k))
         return MoEConfig(g1, g2)

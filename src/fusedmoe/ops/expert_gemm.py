@@ -132,6 +132,21 @@ def _e2m1(code):
     return (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
+#: :func:`_e2m1_shifted` decodes to 2^-14 of the e2m1 value; the multiply-add loop scales its sums back once.
+_E2M1_SHIFT = tl.constexpr(16384.0)
+
+
+@triton.jit
+def _e2m1_shifted(code):
+    """float32 value of e2m1 codes (integers in [0, 16)) times 2^-14, in fewer operations than :func:`_e2m1`: the
+    code's exponent and mantissa bits placed under fp16's (bits 11-9, sign to bit 15) make the fp16 number
+    2^-14 x the e2m1 value (exponent 0 lands on fp16's subnormals, as e2m1's does), then one conversion. The caller
+    multiplies its sums by 2^14 (exact: a power of two)."""
+    c = code.to(tl.int32)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
 @triton.jit
 def _e8m0(s):
     """float32 value 2^(s - 127) of e8m0 scale bytes ``s``, from their bits: exponent field s, or the subnormal
@@ -158,46 +173,60 @@ def _k_loop_mxfp4(
     packing elements ``2j`` (low nibble) and ``2j + 1`` (high nibble); ``w_scale_ptr`` holds e8m0 bytes
     [N(, 2N), K / 32] (value ``2^(s - 127)``; strides ``stride_wse/wsn/wsk`` of ``scales``). Each K tile decodes
     its weight bytes in registers and multiplies the even K columns of ``a`` by the low nibbles, the odd ones by the
-    high nibbles: two dots in the activation dtype, or with ``FMA`` float32 multiply-adds (any BLOCK_M).
-    BLOCK_K and K are multiples of 32."""
+    high nibbles: two dots in the activation dtype, or with ``FMA`` float32 multiply-adds (any BLOCK_M) kept
+    unreduced over K until the loop ends (:func:`_fma_accumulate`). BLOCK_K and K are multiples of 32."""
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
     a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
     HALF: tl.constexpr = BLOCK_K // 2
+    R: tl.constexpr = rows.shape[0]
     offs_j = tl.arange(0, HALF)  # byte columns of the tile
     a_even = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + (2 * offs_j)[None, :] * stride_ak
     g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_j[:, None] * stride_wk
     gs_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + offs_nw[None, :] * stride_wsn
-    gs_ptrs += (offs_j // 16)[:, None] * stride_wsk  # one scale per 16 bytes (32 elements)
-    acc_g = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
-    acc_u = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    # one scale per 16 bytes (32 elements): FMA loads a [HALF / 16, BLOCK_N] tile and broadcasts it in registers
+    offs_s = tl.arange(0, HALF // 16) if FMA else offs_j // 16
+    gs_ptrs += offs_s[:, None] * stride_wsk
+    if FMA:
+        acc_g = _fma_zeros(R, HALF, offs_nw.shape[0])
+        acc_u = _fma_zeros(R, HALF, offs_nw.shape[0])
+    else:
+        acc_g = tl.zeros([R, offs_nw.shape[0]], dtype=tl.float32)
+        acc_u = tl.zeros([R, offs_nw.shape[0]], dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         j_ok = offs_j < (K - kt * BLOCK_K) // 2
+        s_ok = offs_s < (K - kt * BLOCK_K) // 32 if FMA else j_ok
         a_e = tl.load(a_even, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
         a_o = tl.load(a_even + stride_ak, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-        acc_g = _mxfp4_products(a_e, a_o, g_ptrs, gs_ptrs, j_ok, acc_g, IEEE, FMA)
+        acc_g = _mxfp4_products(a_e, a_o, g_ptrs, gs_ptrs, j_ok, s_ok, acc_g, IEEE, FMA)
         if GATED:
             u_ptrs = g_ptrs + N * stride_wn
-            acc_u = _mxfp4_products(a_e, a_o, u_ptrs, gs_ptrs + N * stride_wsn, j_ok, acc_u, IEEE, FMA)
+            acc_u = _mxfp4_products(a_e, a_o, u_ptrs, gs_ptrs + N * stride_wsn, j_ok, s_ok, acc_u, IEEE, FMA)
         a_even += BLOCK_K * stride_ak
         g_ptrs += HALF * stride_wk
         gs_ptrs += (HALF // 16) * stride_wsk
+    if FMA:
+        acc_g, acc_u = _fma_sum(acc_g, R) * _E2M1_SHIFT, _fma_sum(acc_u, R) * _E2M1_SHIFT
     return acc_g, acc_u
 
 
 @triton.jit
-def _mxfp4_products(a_e, a_o, w_ptrs, s_ptrs, j_ok, acc, IEEE: tl.constexpr, FMA: tl.constexpr):
+def _mxfp4_products(a_e, a_o, w_ptrs, s_ptrs, j_ok, s_ok, acc, IEEE: tl.constexpr, FMA: tl.constexpr):
     """``acc + a_e @ lo + a_o @ hi`` for the weight bytes at ``w_ptrs`` [BLOCK_K / 2, BLOCK_N] decoded with the
-    e8m0 scales at ``s_ptrs``; bytes past K (``j_ok``) decode to 0. ``FMA``: float32 products summed over K in
-    registers (no dot, so any number of rows), else two dots in the activation dtype."""
+    e8m0 scales at ``s_ptrs``; bytes past K (``j_ok``) decode to 0. ``FMA``: ``acc`` is the unreduced float32
+    accumulator of :func:`_fma_accumulate` (no dot, so any number of rows), else two dots in the activation dtype."""
     b = tl.load(w_ptrs, mask=j_ok[:, None], other=0)
-    scale = _e8m0(tl.load(s_ptrs, mask=j_ok[:, None], other=127))
-    lo = _e2m1(b & 15) * scale
-    hi = _e2m1(b >> 4) * scale
-    if FMA:
-        return acc + _fma_dot(a_e, lo) + _fma_dot(a_o, hi)
-    acc = _mma(a_e, lo.to(a_e.dtype), acc, IEEE)
-    return _mma(a_o, hi.to(a_e.dtype), acc, IEEE)
+    scale = _e8m0(tl.load(s_ptrs, mask=s_ok[:, None], other=127))
+    if FMA:  # [HALF / 16, BLOCK_N] -> [HALF, BLOCK_N]
+        G: tl.constexpr = scale.shape[0]
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [G, 16, scale.shape[1]]), [G * 16, scale.shape[1]])
+    if FMA:  # 2^-14 of the weights (the caller scales the sums back)
+        acc = _fma_accumulate(acc, a_e, _e2m1_shifted(b & 15) * scale)
+        acc = _fma_accumulate(acc, a_o, _e2m1_shifted(b >> 4) * scale)
+    else:
+        acc = _mma(a_e, (_e2m1(b & 15) * scale).to(a_e.dtype), acc, IEEE)
+        acc = _mma(a_o, (_e2m1(b >> 4) * scale).to(a_e.dtype), acc, IEEE)
+    return acc
 
 
 @triton.jit
@@ -241,11 +270,37 @@ def _scaled_dot(a, w_bytes, w_scales, acc):
 
 
 @triton.jit
-def _fma_dot(a, w):
-    """``a @ w`` in float32 by multiply-adds on the CUDA cores: a [R, BLOCK_K], w [BLOCK_K, BLOCK_N], any R."""
-    if a.shape[0] == 1:  # one row: a 2D product (a [1, BLOCK_K, BLOCK_N] one costs layout conversions)
-        return tl.sum(tl.reshape(a.to(tl.float32), [a.shape[1], 1]) * w.to(tl.float32), axis=0)[None, :]
-    return tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+def _fma_zeros(R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The zero accumulator of :func:`_fma_accumulate`: [BLOCK_K, BLOCK_N] for one row, else [R, BLOCK_K, BLOCK_N]."""
+    # (one return: Triton checks every return of a function against the others, constexpr branches included)
+    if R == 1:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([R, BLOCK_K, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _fma_accumulate(acc, a, w):
+    """``acc`` plus the float32 products ``a[r, k] * w[k, n]`` of a [R, BLOCK_K] and w [BLOCK_K, BLOCK_N], not yet
+    summed over k: multiply-adds on the CUDA cores, each thread into its own registers. Summing over k in every K
+    tile would be a cross-warp reduction (shared memory and a barrier) per tile; :func:`_fma_sum` does it once,
+    after the loop. One row keeps a 2D accumulator (a [1, BLOCK_K, BLOCK_N] one costs layout conversions)."""
+    if a.shape[0] == 1:
+        acc += tl.reshape(a.to(tl.float32), [a.shape[1], 1]) * w.to(tl.float32)
+    else:
+        acc += a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _fma_sum(acc, R: tl.constexpr):
+    """[R, BLOCK_N]: the accumulator of :func:`_fma_accumulate` summed over k."""
+    if R == 1:
+        out = tl.sum(acc, axis=0)[None, :]
+    else:
+        out = tl.sum(acc, axis=1)
+    return out
 
 
 @triton.jit
@@ -273,8 +328,9 @@ def _k_loop_fma(
     a_ptrs = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None] * stride_wk
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-    acc_g = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
-    acc_u = tl.zeros([rows.shape[0], offs_nw.shape[0]], dtype=tl.float32)
+    R: tl.constexpr = rows.shape[0]
+    acc_g = _fma_zeros(R, BLOCK_K, offs_nw.shape[0])
+    acc_u = _fma_zeros(R, BLOCK_K, offs_nw.shape[0])
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -289,12 +345,13 @@ def _k_loop_fma(
             g = g * tl.load(ws_base + (offs_nw // GROUP_N) * stride_wsn + kg * stride_wsk)[None, :]
             if GATED:
                 u = u * tl.load(ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn + kg * stride_wsk)[None, :]
-        acc_g += _fma_dot(a, g)
+        acc_g = _fma_accumulate(acc_g, a, g)
         if GATED:
-            acc_u += _fma_dot(a, u)
+            acc_u = _fma_accumulate(acc_u, a, u)
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
     a_scaled: tl.constexpr = a_ptr.dtype.element_ty.is_fp8()
+    acc_g, acc_u = _fma_sum(acc_g, R), _fma_sum(acc_u, R)
     return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, GATED, a_scaled)
 
 

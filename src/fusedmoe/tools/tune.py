@@ -36,7 +36,7 @@ DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block", "mxfp4")
 # accumulators), so they are half as wide as GEMM2's for the same registers.
 _GEMM1 = {
     # decode-sized blocks (multiply-adds, no dot; MXFP4 and fp8): narrow N tiles, 8 warps keep registers < 128
-    1: [(16, 256, 1, 8, 2), (16, 512, 1, 8, 2), (32, 256, 1, 8, 2), (16, 128, 1, 4, 2), (32, 128, 1, 4, 2)],
+    1: [(16, 256, 8, 8, 2), (32, 256, 8, 8, 2), (16, 512, 8, 8, 2), (16, 128, 8, 4, 2), (16, 256, 1, 8, 2)],
     4: [(16, 128, 1, 8, 2), (32, 128, 1, 8, 2), (16, 256, 1, 8, 2), (16, 64, 1, 4, 2)],
     16: [
         (32, 128, 1, 4, 4),
@@ -52,7 +52,7 @@ _GEMM1 = {
     128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 2)],
 }
 _GEMM2 = {
-    1: [(16, 256, 1, 8, 2), (16, 512, 1, 8, 2), (32, 256, 1, 8, 2), (16, 128, 1, 4, 2), (32, 128, 1, 4, 2)],
+    1: [(16, 256, 8, 8, 2), (32, 256, 8, 8, 2), (16, 512, 8, 8, 2), (16, 128, 8, 4, 2), (16, 256, 1, 8, 2)],
     4: [(16, 128, 1, 8, 2), (32, 128, 1, 8, 2), (16, 256, 1, 8, 2), (16, 64, 1, 4, 2)],
     16: [
         (64, 128, 1, 4, 4),
@@ -101,7 +101,7 @@ def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False) -> 
 
     rows = M * top_k / max(E, 1)
     if decode_blocks and rows <= DECODE_ROWS:
-        return [1, 4, 16] if rows > 1 else [1, 16]
+        return [1, 16]  # (4-row blocks exist but convert layouts every K tile: compile_probe)
     if rows <= 2:
         return [16]
     if rows <= 8:
