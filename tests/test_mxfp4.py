@@ -460,10 +460,11 @@ def test_decode_sized_mxfp4_blocks_take_the_multiply_add_loop():
 
     E, H, I, k = 32, 2880, 2880, 4  # gpt-oss-20b: rows per expert = M * k / E
     assert heuristic_config(1, E, H, I, k, "mxfp4").block_m == 1
-    assert heuristic_config(8, E, H, I, k, "mxfp4").block_m == 1  # one row per expert
-    decode = heuristic_config(DECODE_ROWS * E // k, E, H, I, k, "mxfp4")
+    decode = heuristic_config(int(DECODE_ROWS * E / k), E, H, I, k, "mxfp4")  # the most rows that still take them
     assert decode.block_m == 1 and decode.gemm1.group_m > 1 and decode.gemm2.group_m > 1
-    assert heuristic_config(DECODE_ROWS * E // k + 1, E, H, I, k, "mxfp4").block_m >= MIN_DOT_BLOCK_M
+    assert heuristic_config(int(DECODE_ROWS * E / k) + 1, E, H, I, k, "mxfp4").block_m >= MIN_DOT_BLOCK_M
+    assert heuristic_config(8, E, H, I, k, "mxfp4").block_m >= MIN_DOT_BLOCK_M  # one row per expert: dots win
+    assert heuristic_config(64, E, H, I, k, "mxfp4").block_m == 16  # 8 rows per expert: 16-row tiles (measured)
     for mode in (None, "fp8_token", "fp8_block"):
         assert heuristic_config(1, E, H, I, k, mode).block_m >= MIN_DOT_BLOCK_M
     small = heuristic_config(1, 4, 64, 96, 2, "mxfp4")  # tiles never wider than the problem, K tiles >= 32

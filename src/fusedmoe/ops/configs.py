@@ -189,9 +189,13 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return min(p, cap)
 
 
-#: MXFP4 problems with at most this many rows per expert (on average) take decode-sized blocks (BLOCK_M 1 or 4)
-#: by default; other formats only from a table or a pin (their tuned tables decide, `fusedmoe tune`).
-DECODE_ROWS = 4
+#: MXFP4 problems with at most this many rows per expert (on average) take one-row multiply-add blocks by default;
+#: other formats only from a table or a pin (their tuned tables decide, `fusedmoe tune`). Measured on the H200
+#: (BENCHMARKS.md, #18): one-row blocks beat 16-row dot tiles at 0.03 and 0.25 rows per expert (gpt-oss-20b/120b
+#: M=1, gpt-oss-120b M=8) and lose at 1 (gpt-oss-20b M=8) and above: each row decodes the weights again.
+DECODE_ROWS = 0.5
+#: The tuner offers decode-sized blocks up to this many rows per expert (it measures where they stop paying).
+TUNE_DECODE_ROWS = 4
 
 
 def heuristic_config(
@@ -215,7 +219,8 @@ def heuristic_config(
     if rows <= 1:
         g1 = GemmConfig(16, 32, bk_small, 1, 4, 4)
         g2 = GemmConfig(16, 64, bk_small, 1, 4, 4)
-    elif rows <= 4:
+    elif rows <= 4 or (quant_mode == "mxfp4" and rows <= 8):
+        # (MXFP4 keeps 16-row tiles to 8 rows per expert: 527 us against 637 for 32-row ones, gpt-oss-20b M=64)
         g1 = GemmConfig(16, 64, bk_small, 1, 4, 3)
         g2 = GemmConfig(16, 128, bk_small, 1, 4, 3)
     elif rows <= 16:

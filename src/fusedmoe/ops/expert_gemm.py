@@ -48,9 +48,8 @@ MXFP4_SCALED_DOT = 5
 #: BLOCK_M below this is too short for a tensor-core dot: such tiles take the multiply-add K loops.
 MIN_DOT_BLOCK_M = 16
 MIN_DOT_ROWS = tl.constexpr(MIN_DOT_BLOCK_M)
-#: Software-pipelining depth of the multiply-add K loops: Triton pipelines a loop's loads by itself only when they
-#: feed a dot; without it each K tile waited for its own loads (a decode-sized call is bound by their latency).
-FMA_STAGES = tl.constexpr(3)
+# (The multiply-add loops are not software-pipelined: `tl.range(..., num_stages=3)` stages their loads through
+# shared memory and made the MXFP4 and fp8 one-row calls 10-60% slower on the H200, BENCHMARKS.md.)
 #: Diagnostic switch: ``FUSEDMOE_MXFP4_DOT=decode`` keeps MXFP4 on the register decode everywhere (to compare).
 ENV_MXFP4_DOT = "FUSEDMOE_MXFP4_DOT"
 
@@ -196,7 +195,7 @@ def _k_loop_mxfp4(
     else:
         acc_g = tl.zeros([R, offs_nw.shape[0]], dtype=tl.float32)
         acc_u = tl.zeros([R, offs_nw.shape[0]], dtype=tl.float32)
-    for kt in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=FMA_STAGES if FMA else None):
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
         j_ok = offs_j < (K - kt * BLOCK_K) // 2
         s_ok = offs_s < (K - kt * BLOCK_K) // 32 if FMA else j_ok
         a_e = tl.load(a_even, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
@@ -334,7 +333,7 @@ def _k_loop_fma(
     R: tl.constexpr = rows.shape[0]
     acc_g = _fma_zeros(R, BLOCK_K, offs_nw.shape[0])
     acc_u = _fma_zeros(R, BLOCK_K, offs_nw.shape[0])
-    for kt in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=FMA_STAGES):
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - kt * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0).to(tl.float32)

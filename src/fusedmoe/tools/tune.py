@@ -95,12 +95,12 @@ def failure_reason(err: BaseException) -> str:
 
 def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False) -> list[int]:
     """Plausible BLOCK_M values for M tokens: by the average rows per expert (``decode_blocks``: also the
-    decode-sized blocks of the multiply-add K loops, up to DECODE_ROWS rows; the quantized dtypes, whose calls at
+    decode-sized blocks of the multiply-add K loops, up to TUNE_DECODE_ROWS rows; the quantized dtypes, whose calls at
     decode read fewer weight bytes than a 16-row dot tile can use)."""
-    from ..ops.configs import DECODE_ROWS
+    from ..ops.configs import TUNE_DECODE_ROWS
 
     rows = M * top_k / max(E, 1)
-    if decode_blocks and rows <= DECODE_ROWS:
+    if decode_blocks and rows <= TUNE_DECODE_ROWS:
         return [1, 16]  # (4-row blocks exist but convert layouts every K tile: compile_probe)
     if rows <= 2:
         return [16]
