@@ -191,8 +191,8 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 #: MXFP4 problems with at most this many rows per expert (on average) take one-row multiply-add blocks by default;
 #: other formats only from a table or a pin (their tuned tables decide, `fusedmoe tune`). Measured on the H200
-#: (BENCHMARKS.md, #18): one-row blocks beat 16-row dot tiles at 0.03 and 0.25 rows per expert (gpt-oss-20b/120b
-#: M=1, gpt-oss-120b M=8) and lose at 1 (gpt-oss-20b M=8) and above: each row decodes the weights again.
+#: (BENCHMARKS.md, #18): one-row blocks beat 16-row dot tiles at 0.03 to 0.5 rows per expert (gpt-oss-20b/120b
+#: M=1, gpt-oss-120b M=8 and 16) and lose at 1 (gpt-oss-20b M=8) and above: each row decodes the weights again.
 DECODE_ROWS = 0.5
 #: The tuner offers decode-sized blocks up to this many rows per expert (it measures where they stop paying).
 TUNE_DECODE_ROWS = 4
@@ -208,8 +208,8 @@ def heuristic_config(
         # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding) on one
         # row per block, narrow N tiles (more programs) and 8 warps: 64 registers per thread and no layout
         # conversion in the loop for sm_90 (compile_probe; 4-row blocks convert the weights every K tile). An
-        # expert's rows read the same weight tiles side by side: GROUP_M 8 puts their blocks next to each other in
-        # the grid, so the repeats come from L2.
+        # expert's rows read the same weight tiles: GROUP_M 8 puts their blocks next to each other in the grid, so
+        # that the repeated reads can come from L2.
         g = GemmConfig(1, 16, 256, 8, 8, 2)
         g1 = replace(g, block_k=_pow2_at_most(H, g.block_k))
         g2 = replace(g, block_k=_pow2_at_most(I, g.block_k))

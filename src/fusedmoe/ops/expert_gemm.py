@@ -219,10 +219,9 @@ def _mxfp4_products(a_e, a_o, w_ptrs, s_ptrs, j_ok, s_ok, acc, IEEE: tl.constexp
     accumulator of :func:`_fma_accumulate` (no dot, so any number of rows), else two dots in the activation dtype."""
     b = tl.load(w_ptrs, mask=j_ok[:, None], other=0)
     scale = _e8m0(tl.load(s_ptrs, mask=s_ok[:, None], other=127))
-    if FMA:  # [HALF / 16, BLOCK_N] -> [HALF, BLOCK_N]
+    if FMA:  # scales [HALF / 16, BLOCK_N] -> [HALF, BLOCK_N]; 2^-14 of the weights (the caller scales sums back)
         G: tl.constexpr = scale.shape[0]
         scale = tl.reshape(tl.broadcast_to(scale[:, None, :], [G, 16, scale.shape[1]]), [G * 16, scale.shape[1]])
-    if FMA:  # 2^-14 of the weights (the caller scales the sums back)
         acc = _fma_accumulate(acc, a_e, _e2m1_shifted(b & 15) * scale)
         acc = _fma_accumulate(acc, a_o, _e2m1_shifted(b >> 4) * scale)
     else:
