@@ -34,9 +34,11 @@ DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block", "mxfp4")
 
 # (block_n, block_k, group_m, num_warps, num_stages) per BLOCK_M; GEMM1 tiles cover gate and up (two
 # accumulators), so they are half as wide as GEMM2's for the same registers.
+# Decode-sized one-row blocks (multiply-adds, no dot; MXFP4 and fp8), the same for both GEMMs: narrow N tiles,
+# 8 warps keep registers < 128.
+_ONE_ROW = [(16, 256, 8, 8, 2), (32, 256, 8, 8, 2), (16, 512, 8, 8, 2), (16, 128, 8, 4, 2), (16, 256, 1, 8, 2)]
 _GEMM1 = {
-    # decode-sized blocks (multiply-adds, no dot; MXFP4 and fp8): narrow N tiles, 8 warps keep registers < 128
-    1: [(16, 256, 8, 8, 2), (32, 256, 8, 8, 2), (16, 512, 8, 8, 2), (16, 128, 8, 4, 2), (16, 256, 1, 8, 2)],
+    1: _ONE_ROW,
     16: [
         (32, 128, 1, 4, 4),
         (64, 128, 1, 4, 3),
@@ -51,7 +53,7 @@ _GEMM1 = {
     128: [(128, 64, 16, 8, 4), (128, 64, 16, 8, 3), (64, 64, 16, 4, 4), (64, 128, 16, 8, 3), (128, 128, 16, 8, 2)],
 }
 _GEMM2 = {
-    1: [(16, 256, 8, 8, 2), (32, 256, 8, 8, 2), (16, 512, 8, 8, 2), (16, 128, 8, 4, 2), (16, 256, 1, 8, 2)],
+    1: _ONE_ROW,
     16: [
         (64, 128, 1, 4, 4),
         (128, 128, 1, 4, 3),
