@@ -50,6 +50,9 @@ class GemmConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    #: Weight tiles through a TMA descriptor (``expert_gemm.weight_descriptor``) instead of pointer loads, where
+    #: the tile and the weights allow it. Launches with a descriptor are not replayed (``ops.launcher``).
+    tma: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -60,10 +63,11 @@ class GemmConfig:
             group_m=int(d.get("GROUP_SIZE_M", 1)),
             num_warps=int(d.get("num_warps", 4)),
             num_stages=int(d.get("num_stages", 3)),
+            tma=bool(d.get("tma", False)),
         )
 
     def to_dict(self) -> dict[str, int]:
-        return {
+        d = {
             "BLOCK_SIZE_M": self.block_m,
             "BLOCK_SIZE_N": self.block_n,
             "BLOCK_SIZE_K": self.block_k,
@@ -71,6 +75,9 @@ class GemmConfig:
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
+        if self.tma:
+            d["tma"] = 1
+        return d
 
 
 @dataclass(frozen=True)

@@ -104,10 +104,13 @@ def k_loop(
     GATED: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    w_desc=None,
+    desc_row=0,
 ):
     """The K loop of one tile: for MXFP4 weights :func:`_k_loop_mxfp4_scaled` (QUANT 5) or :func:`_k_loop_mxfp4`
     (QUANT 4), else :func:`_k_loop_dense`. Tiles of fewer than 16 rows (BLOCK_M) take multiply-adds in every
-    format: :func:`_k_loop_mxfp4` with FMA for MXFP4, :func:`_k_loop_fma` for the others."""
+    format: :func:`_k_loop_mxfp4` with FMA for MXFP4, :func:`_k_loop_fma` for the others. ``w_desc``: see
+    :func:`_k_loop_dense` (only its tensor-core tiles take one)."""
     fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
     if QUANT == 5 and not fma:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
@@ -117,7 +120,7 @@ def k_loop(
         acc_g, acc_u = _k_loop_fma(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED)
     else:
         acc_g, acc_u = _k_loop_dense(
-            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K
+            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K, w_desc, desc_row
         )
     return acc_g, acc_u
 
@@ -398,6 +401,8 @@ def _k_loop_dense(
     GATED: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
+    w_desc=None,
+    desc_row=0,
 ):
     """The K loop of one tile of ``expert`` with dense (or fp8) weights: ``(acc_g, acc_u)``, fp32 [BLOCK_M,
     BLOCK_N] (the lengths of ``rows`` and ``offs_nw``), scaled back from fp8 by ``QUANT``.
@@ -417,6 +422,13 @@ def _k_loop_dense(
 
     ``acc_g[i, j] = sum_k a[i, k] * w[offs_nw[j], k]`` over ``k < K``; ``EVEN_K``: K is a multiple of BLOCK_K, so
     the loads need no K mask.
+
+    ``w_desc`` (None: pointer loads): a TMA descriptor of the weights flattened to ``[E * R, K]`` (R rows per
+    expert) with block ``[BLOCK_N, BLOCK_K]``, from :func:`weight_descriptor`. The tile then reads the rows
+    ``desc_row + j`` (``expert * R`` + the tile's first column) and ``+ N`` for up instead of ``offs_nw``:
+    columns past N read other
+    rows (or zeros past the end), which are computed and never stored, like the wrapped columns; K past the end
+    loads as zeros.
     """
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
@@ -438,7 +450,15 @@ def _k_loop_dense(
             us_ptrs = ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn
 
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if w_desc is not None:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - kt * BLOCK_K)[None, :], other=0.0)
+            g = w_desc.load([desc_row, kt * BLOCK_K]).T
+            if GATED:
+                u = w_desc.load([desc_row + N, kt * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             g = tl.load(g_ptrs)
             if GATED:
@@ -604,6 +624,29 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
     if num.mode == "mxfp4":
         return 0, 0, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
     return a_rows, a_cols, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
+
+
+def weight_descriptor(w: torch.Tensor, config: GemmConfig, num: Numerics):
+    """The TMA descriptor :func:`_k_loop_dense` reads ``w`` [E, R, K] through when ``config.tma`` asks for one:
+    ``w`` flattened to [E * R, K], block [BLOCK_N, BLOCK_K]. None (pointer loads) for the tiles that do not take
+    one (MXFP4, fewer than 16 rows) and where the hardware's rules are not met: K contiguous, experts packed
+    back to back, a 16-byte aligned base and row stride, a K block of at least 16 bytes."""
+    if not config.tma or num.mode == "mxfp4" or config.block_m < MIN_DOT_BLOCK_M or w.dim() != 3:
+        return None
+    E, R, K = w.shape
+    size = w.element_size()
+    if (
+        w.stride(2) != 1
+        or (E > 1 and w.stride(0) != R * w.stride(1))
+        or w.data_ptr() % 16
+        or (w.stride(1) * size) % 16
+        or config.block_k * size < 16
+    ):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = w.as_strided((E * R, K), (w.stride(1), 1))
+    return TensorDescriptor(flat, [E * R, K], [w.stride(1), 1], [config.block_n, config.block_k])
 
 
 def mxfp4_quant_code(dtype: torch.dtype) -> int:

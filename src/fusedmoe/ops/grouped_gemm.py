@@ -39,6 +39,7 @@ from .expert_gemm import (
     scale_ptrs,
     scale_strides,
     tile_meta,
+    weight_descriptor,
     weight_k,
 )
 from .launcher import launch
@@ -111,9 +112,11 @@ def _moe_gemm(
     preact_ptr=None,
     stride_pm=0,
     STORE_PREACT: tl.constexpr = False,
+    w_desc=None,
 ):
     """Output rows are slots; activation (and activation-scale) rows are ``slot // top_k``: tokens for GEMM1,
-    the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves."""
+    the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves.
+    ``w_desc``: the weights' TMA descriptor (``GemmConfig.tma``), else None (pointer loads)."""
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -129,7 +132,10 @@ def _moe_gemm(
     a_op = (a_ptr, 0, rows, stride_am, stride_ak)
     w_op = (w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk)
     scales = (a_scale_ptr, rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk)
-    acc_g, acc_u = k_loop(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K)
+    desc_row = (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32)  # read with w_desc only
+    acc_g, acc_u = k_loop(
+        a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K, w_desc, desc_row
+    )
     if STORE_PREACT:  # GEMM1's raw accumulators (before weight, bias, activation), saved for the backward
         pre_ptrs = preact_ptr + tl.where(row_ok, slot, 0).to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
         pre_mask = row_ok[:, None] & n_ok[None, :]
@@ -218,6 +224,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         A_SORTED=a_sorted,
         **({} if preact is None else {"preact_ptr": preact, "stride_pm": preact.stride(0), "STORE_PREACT": True}),
+        **({"w_desc": desc} if (desc := weight_descriptor(w, config, num)) is not None else {}),
         **tile_meta(config, num, a.dtype, K, activation),
     )
     return out

@@ -157,6 +157,9 @@ class Recorder:
                         f"argument {params[i][0]!r} of {kernel.fn.__name__} is not inside one root or the arena"
                     )
                 slots.append((i, where[0], where[1], tuple(v.shape), tuple(v.stride()), v.dtype))
+            elif isinstance(getattr(v, "base", None), torch.Tensor):
+                # a TMA descriptor: its pointer is packed at launch, so a replay could not substitute it
+                return self.refuse(f"argument {params[i][0]!r} of {kernel.fn.__name__} is a tensor descriptor")
         grid = tuple(grid) + (1,) * (3 - len(grid))
         options = {k: v for k, v in kwargs.items() if k not in {name for name, _ in params}}
         # Only where each tensor points is kept: a trace holding the recorded call's tensors would keep its

@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "triton_bf16, our bf16 call on the same shape)",
     )
     bench.add_argument("--backends", default=None, help="comma-separated backends to compare")
+    bench.add_argument(
+        "--peers",
+        action="store_true",
+        help="kernel: also run the other libraries' kernels that import here (vLLM, triton_kernels, grouped_mm), "
+        "same process and run, each labelled with its version",
+    )
     bench.add_argument("--layers", type=int, help="layers of the stack (decode; CPU strategy table)")
     bench.add_argument("--steps", type=int, help="timed steps (decode; CPU strategy table)")
     bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")

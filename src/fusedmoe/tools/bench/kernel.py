@@ -18,10 +18,10 @@ import torch
 
 from ...api import fused_moe
 from ...op import fused_moe_op
-from ...ops.configs import ENV_DIR
+from ...ops.configs import ENV_DIR, heuristic_config, pinned_config
 from ...routing import route
 from ...workspace.manager import WorkspaceManager
-from . import floors, report, timing
+from . import floors, peers, report, timing
 from .baselines import grouped_mm_available, grouped_mm_moe, hf_experts
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
@@ -102,6 +102,14 @@ def main(args: argparse.Namespace) -> int:
     backends = (args.backends or default_backends).split(",")
     env = report.environment()
     print(f"{env.get('gpu')} | torch {env['torch']} | triton {env.get('triton')} | commit {env.get('commit')}")
+    if getattr(args, "peers", False):
+        env["peers"] = {}
+        for name in peers.PEERS:
+            ok, label = peers.available(name)
+            env["peers"][name] = label if ok else f"absent: {label}"
+            print(f"peer {name}: {env['peers'][name]}")
+            if ok and name not in backends:
+                backends.append(name)
     ceil = floors.measure_ceilings(device)
     print(
         f"ceilings: copy {ceil.copy_tb_s:.2f} TB/s (read+write), read {ceil.read_tb_s:.2f} TB/s, "
@@ -154,7 +162,8 @@ def main(args: argparse.Namespace) -> int:
             if fn is None:
                 continue
             calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
-            stored = "quantized" if quantized and backend in ("triton", "triton_op", "triton_before") else "bf16"
+            our_backends = ("triton", "triton_op", "triton_before", "triton_heuristic")
+            stored = "quantized" if quantized and backend in our_backends else "bf16"
             floor_us, bytes_moved, bound = floors_of[stored]
             row = {"backend": backend, "M": M, "floor_us": floor_us, "bound": bound}
             try:
@@ -178,6 +187,11 @@ def main(args: argparse.Namespace) -> int:
                 results.append(row)
                 torch.cuda.synchronize()
                 continue
+            if backend in peers.MAKERS and "triton" in backends and not quantized:
+                # a peer's output against ours on the same logits: the comparison is only fair if they agree
+                ours = _make_call("triton", shape, x, w1, w2, None, expert_map, manager)(logits[0])
+                row["rel_err_vs_triton"] = peers.check_close(fn(logits[0]), ours)
+                print(f"{backend} M={M}: output vs ours, max relative difference {row['rel_err_vs_triton']:.2e}")
             row["pct_floor"] = 100.0 * floor_us / row["us"]
             row["tb_s"] = bytes_moved / (row["us"] * 1e-6) / 1e12
             row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
@@ -268,6 +282,28 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
                 return inner(lg)
 
         return call
+    if backend == "triton_heuristic":  # the launch heuristic alone (no table), per M as get_config would
+        inner = _make_call("triton", shape, x, w1, w2, quantized, expert_map, manager)
+        quant = quantized["quant"] if quantized else None
+        cfg = heuristic_config(
+            x.shape[0],
+            shape.local_experts,
+            shape.hidden,
+            shape.inter,
+            k,
+            quant.mode if quant else None,
+            quant.block_shape if quant else None,
+        )
+
+        def call(lg):
+            with pinned_config(cfg):
+                return inner(lg)
+
+        return call
+    if backend in ("vllm", "triton_kernels"):
+        if expert_map is not None or not peers.available(backend)[0]:
+            return None
+        return peers.MAKERS[backend](x, w1, w2, k, routing)
     if backend == "triton_bf16":  # our bf16 call beside a quantized sweep (the weights it was quantized from)
         return _make_call("triton", shape, x, w1, w2, None, expert_map, manager) if quantized else None
     if backend in ("triton", "triton_op", "torch"):
