@@ -307,6 +307,22 @@ def test_gemm_mxfp4_rejects_bad_operands():
         moe_gemm1(x.to(torch.float8_e4m3fn), packed, out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
     with pytest.raises(TypeError, match="must be uint8"):
         moe_gemm1(x, packed.view(torch.int8), out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
+    # the one-row loop reads aligned 32-bit words: byte rows that are not (a view one byte in) are refused
+    shifted = torch.zeros(packed.numel() + 1, dtype=torch.uint8)[1:].view(packed.shape).copy_(packed)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        moe_gemm1(x, shifted, out, s, b, top_k=2, num_blocks=nb, config=CFG, numerics=num)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        moe_gemm1(
+            x,
+            packed.transpose(1, 2).contiguous().transpose(1, 2),
+            out,
+            s,
+            b,
+            top_k=2,
+            num_blocks=nb,
+            config=CFG,
+            numerics=num,
+        )
 
 
 # ---- fused_moe(quant="mxfp4") -----------------------------------------------------------------------------------
@@ -397,6 +413,26 @@ def test_fused_moe_mxfp4_decode_sized_blocks(case, block_m):
             x, w1, w2, tw, ids, backend="triton", workspace=WorkspaceManager("cpu", poison=True), **kw, **extra
         )
     _check_against_reference(out, (x, w1, w2, tw, ids), kw, torch.float32, **extra)
+
+
+@interpreter
+def test_fused_moe_mxfp4_refuses_misaligned_weights_after_a_cached_call():
+    """The one-row loop reads packed weights as aligned 32-bit words: a view of the same shape and strides one
+    byte off (the same 16-byte verdict as a 4-byte-aligned one) is still refused, not served a cached verdict."""
+    from fusedmoe import fused_moe
+    from fusedmoe.ops.configs import MoEConfig, pinned_config
+
+    x, w1, w2, tw, ids, kw = _mx_call(2, 4, 2, 64, 32, device="cpu", dtype=torch.float32)
+
+    def at_offset(w, offset):  # w's bytes copied into a buffer at ``offset`` bytes (16-aligned storage)
+        buf = torch.zeros(w.numel() + 16, dtype=torch.uint8)
+        return buf[offset : offset + w.numel()].view(w.shape).copy_(w)
+
+    with pinned_config(MoEConfig.simple(1, 32, 64)):
+        want = fused_moe(x, at_offset(w1, 4), w2, tw, ids, backend="triton", **kw)
+        torch.testing.assert_close(fused_moe(x, at_offset(w1, 8), w2, tw, ids, backend="triton", **kw), want)
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            fused_moe(x, at_offset(w1, 5), w2, tw, ids, backend="triton", **kw)
 
 
 @pytest.mark.gpu

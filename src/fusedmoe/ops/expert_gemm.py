@@ -109,11 +109,13 @@ def k_loop(
 ):
     """The K loop of one tile: for MXFP4 weights :func:`_k_loop_mxfp4_scaled` (QUANT 5) or :func:`_k_loop_mxfp4`
     (QUANT 4), else :func:`_k_loop_dense`. Tiles of fewer than 16 rows (BLOCK_M) take multiply-adds in every
-    format: :func:`_k_loop_mxfp4` with FMA for MXFP4, :func:`_k_loop_fma` for the others. ``w_desc``: see
-    :func:`_k_loop_dense` (only its tensor-core tiles take one)."""
+    format: for MXFP4 :func:`_k_loop_mxfp4_row` (one row) or :func:`_k_loop_mxfp4` with FMA, :func:`_k_loop_fma`
+    for the others. ``w_desc``: see :func:`_k_loop_dense` (only its tensor-core tiles take one)."""
     fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
     if QUANT == 5 and not fma:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
+    elif (QUANT == 4 or QUANT == 5) and row_ok.shape[0] == 1:
+        acc_g, acc_u = _k_loop_mxfp4_row(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
     elif QUANT == 4 or QUANT == 5:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, fma)
     elif fma:
@@ -213,6 +215,77 @@ def _k_loop_mxfp4(
     if FMA:
         acc_g, acc_u = _fma_sum(acc_g, R) * _E2M1_SHIFT, _fma_sum(acc_u, R) * _E2M1_SHIFT
     return acc_g, acc_u
+
+
+@triton.jit
+def _k_loop_mxfp4_row(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """:func:`_k_loop_mxfp4` for one-row tiles, in fewer instructions per weight: the packed bytes are read as
+    32-bit words (element ``8j + p`` of a K tile in bits ``4p``-``4p + 3`` of word ``j``; :func:`check_operands`
+    requires rows of whole, aligned words), each integer operation decodes two codes into a pair of fp16 bit
+    patterns (:func:`_e2m1_pair`), and a word's 8 products are summed before the e8m0 scale that the 8 share
+    multiplies them, once. The float32 sums stay unreduced over the tile's words until the loop ends."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    WORDS: tl.constexpr = BLOCK_K // 8
+    GROUPS: tl.constexpr = BLOCK_K // 32  # 4 words per e8m0 scale (32 elements)
+    BLOCK_N: tl.constexpr = offs_nw.shape[0]
+    offs_w = tl.arange(0, WORDS)
+    e64 = expert.to(tl.int64)
+    # [WORDS, 1]: element 8j of the row for word j (element 8j + p is p columns on)
+    a_ptrs = a_ptr + e64 * stride_ae + rows[None, :] * stride_am + (8 * offs_w)[:, None] * stride_ak
+    w_words = (w_ptr + e64 * stride_we).to(tl.pointer_type(tl.int32))
+    g_ptrs = w_words + offs_nw[None, :] * (stride_wn // 4) + offs_w[:, None]
+    gs_ptrs = w_scale_ptr + e64 * stride_wse + offs_nw[None, :] * stride_wsn
+    gs_ptrs += tl.arange(0, GROUPS)[:, None] * stride_wsk
+    acc_g = tl.zeros([WORDS, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([WORDS, BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        w_ok = offs_w < (K - kt * BLOCK_K) // 8
+        a_ok = w_ok[:, None] & row_ok[None, :]
+        s_ok = (tl.arange(0, GROUPS) < (K - kt * BLOCK_K) // 32)[:, None]
+        g = tl.load(g_ptrs, mask=w_ok[:, None], other=0)
+        sum_g = tl.zeros([WORDS, BLOCK_N], dtype=tl.float32)
+        if GATED:
+            u = tl.load(g_ptrs + N * (stride_wn // 4), mask=w_ok[:, None], other=0)
+            sum_u = tl.zeros([WORDS, BLOCK_N], dtype=tl.float32)
+        for p in tl.static_range(4):  # codes p and p + 4 of every word
+            a_lo = tl.load(a_ptrs + p * stride_ak, mask=a_ok, other=0.0).to(tl.float32)
+            a_hi = tl.load(a_ptrs + (p + 4) * stride_ak, mask=a_ok, other=0.0).to(tl.float32)
+            lo, hi = _e2m1_pair(g, p)
+            sum_g += a_lo * lo + a_hi * hi
+            if GATED:
+                lo, hi = _e2m1_pair(u, p)
+                sum_u += a_lo * lo + a_hi * hi
+        acc_g += sum_g * _word_scales(gs_ptrs, s_ok, WORDS)
+        if GATED:
+            acc_u += sum_u * _word_scales(gs_ptrs + N * stride_wsn, s_ok, WORDS)
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += WORDS
+        gs_ptrs += GROUPS * stride_wsk
+    acc_g = tl.sum(acc_g, axis=0)[None, :] * _E2M1_SHIFT
+    acc_u = tl.sum(acc_u, axis=0)[None, :] * _E2M1_SHIFT
+    return acc_g, acc_u
+
+
+@triton.jit
+def _e2m1_pair(words, p: tl.constexpr):
+    """float32 values, times 2^-14, of codes ``p`` and ``p + 4`` (p < 4) of int32 ``words`` holding 8 e2m1 codes
+    each (code ``i`` in bits ``4i``-``4i + 3``): both codes shifted under the fp16 exponent and mantissa of one
+    16-bit half each (:func:`_e2m1_shifted`'s bits, two codes per integer operation), then one conversion each."""
+    x = words >> (4 * p)  # code p in bits 0-3, code p + 4 in bits 16-19 (higher bits are masked off)
+    h = ((x & 0x70007) << 9) | ((x & 0x80008) << 12)
+    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _word_scales(s_ptrs, s_ok, WORDS: tl.constexpr):
+    """[WORDS, BLOCK_N] float32 e8m0 scales of a K tile's words: the [WORDS / 4, BLOCK_N] bytes at ``s_ptrs`` (one
+    per 32 elements: 4 words), each repeated for its 4 words in registers."""
+    s = _e8m0(tl.load(s_ptrs, mask=s_ok, other=127))
+    return tl.reshape(tl.broadcast_to(s[:, None, :], [s.shape[0], 4, s.shape[1]]), [WORDS, s.shape[1]])
 
 
 @triton.jit
@@ -578,6 +651,12 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: Gemm
             )
         if config.block_k % MXFP4_GROUP:
             raise ValueError(f"mxfp4: BLOCK_K must be a multiple of {MXFP4_GROUP}, got {config.block_k}")
+        if w.stride(-1) != 1 or any(st % 4 for st in w.stride()[:-1]) or w.data_ptr() % 4:
+            # the one-row K loop reads the bytes as aligned 32-bit words (_k_loop_mxfp4_row)
+            raise ValueError(
+                f"mxfp4: the packed weights must be contiguous along K with rows 4-byte aligned "
+                f"(strides {tuple(w.stride())}; w.contiguous() gives that)"
+            )
         return
     if mode is not None and weight_only_fp8(a, config):
         if num.a_scale is not None or num.w_scale is None or w.dtype != torch.float8_e4m3fn:
