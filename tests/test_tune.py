@@ -105,6 +105,7 @@ def test_table_records_failures():
 
 def test_block_m_options_cover_the_grid():
     assert block_m_options(1, 8, 128) == [16] and block_m_options(4096, 8, 128) == [128]
+    assert block_m_options(4096, 8, 128, scaled_k_tiles=True) == [64, 128]  # fp8_block: 128-row tiles spill
     assert block_m_options(64, 8, 128) == [16, 32]  # 4 rows per expert: two plausible tiles
     # quantized dtypes also try the multiply-add loops' decode-sized blocks, up to TUNE_DECODE_ROWS rows per expert
     assert block_m_options(1, 4, 32, decode_blocks=True) == [1, 16] == block_m_options(8, 4, 32, decode_blocks=True)

@@ -53,6 +53,9 @@ class GemmConfig:
     #: Weight tiles through a TMA descriptor (``expert_gemm.weight_descriptor``) instead of pointer loads, where
     #: the tile and the weights allow it. Launches with a descriptor are not replayed (``ops.launcher``).
     tma: bool = False
+    #: 0: one program per tile. 1: persistent (one program per SM walks the tiles), 2: persistent with the tile loop
+    #: flattened into the K loop, 3: also warp-specialized (``grouped_gemm._moe_gemm``).
+    persistent: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -64,6 +67,7 @@ class GemmConfig:
             num_warps=int(d.get("num_warps", 4)),
             num_stages=int(d.get("num_stages", 3)),
             tma=bool(d.get("tma", False)),
+            persistent=int(d.get("persistent", 0)),
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -77,6 +81,8 @@ class GemmConfig:
         }
         if self.tma:
             d["tma"] = 1
+        if self.persistent:
+            d["persistent"] = self.persistent
         return d
 
 
@@ -198,9 +204,10 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 #: MXFP4 problems with at most this many rows per expert (on average) take one-row multiply-add blocks by default;
 #: other formats only from a table or a pin (their tuned tables decide, `fusedmoe tune`). Measured on the H200
-#: (BENCHMARKS.md, #18): one-row blocks beat 16-row dot tiles at 0.03 to 0.5 rows per expert (gpt-oss-20b/120b
-#: M=1, gpt-oss-120b M=8 and 16) and lose at 1 (gpt-oss-20b M=8) and above: each row decodes the weights again.
-DECODE_ROWS = 0.5
+#: (BENCHMARKS.md, #18) with the word-decode loop (864a474): one-row blocks beat 16-row dot tiles up to 1 row per
+#: expert (gpt-oss-20b M=8: 331 us against 394) and lose at 2 (gpt-oss-20b M=16: 643 against 478): each row
+#: decodes the weights again.
+DECODE_ROWS = 1.0
 #: The tuner offers decode-sized blocks up to this many rows per expert (it measures where they stop paying).
 TUNE_DECODE_ROWS = 4
 
@@ -236,9 +243,16 @@ def heuristic_config(
     elif rows <= 64:
         g1 = GemmConfig(64, 64, 128 if fp8 else 64, 8, 4, 3)
         g2 = GemmConfig(64, 128, 128 if fp8 else 64, 8, 4, 3)
+    elif quant_mode == "fp8_block":
+        # 128-row tiles spill with a scaled partial product per K tile (qwen3 M=4096: 2167 us against 920, #17)
+        g1 = GemmConfig(64, 128, 128, 8, 8, 3)
+        g2 = GemmConfig(64, 128, 128, 8, 4, 4)
     else:
         g1 = GemmConfig(128, 128, 128 if fp8 else 64, 16, 8, 3 if fp8 else 4)
         g2 = GemmConfig(128, 256 if not fp8 else 128, 128 if fp8 else 64, 16, 8, 3 if fp8 else 4)
+    if not fp8 and g1.block_m >= 64:
+        # weights through TMA descriptors: 3-7% faster at M >= 1024 on the H200 (bf16, #17); no gain measured for fp8
+        g1, g2 = replace(g1, tma=True), replace(g2, tma=True)
     # no wider than the problem
     g1 = replace(g1, block_n=_pow2_at_most(I, g1.block_n), block_k=_pow2_at_most(H, g1.block_k))
     g2 = replace(g2, block_n=_pow2_at_most(H, g2.block_n), block_k=_pow2_at_most(I, g2.block_k))

@@ -24,6 +24,8 @@ activation rows (tokens for GEMM1, slots for GEMM2) and N the weight rows (2I fo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -46,9 +48,9 @@ from .launcher import launch
 
 
 @triton.jit
-def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped ordering: GROUP_M consecutive M blocks sweep the N tiles together (weight reuse in L2)."""
-    pid = tl.program_id(0)
+def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering of tile ``pid``: GROUP_M consecutive M blocks sweep the N tiles together (weight reuse
+    in L2)."""
     in_group = GROUP_M * num_pid_n
     first_m = (pid // in_group) * GROUP_M
     size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -113,14 +115,197 @@ def _moe_gemm(
     stride_pm=0,
     STORE_PREACT: tl.constexpr = False,
     w_desc=None,
+    NUM_SMS: tl.constexpr = 0,
+    PERSISTENT: tl.constexpr = 0,
 ):
     """Output rows are slots; activation (and activation-scale) rows are ``slot // top_k``: tokens for GEMM1,
     the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves.
-    ``w_desc``: the weights' TMA descriptor (``GemmConfig.tma``), else None (pointer loads)."""
-    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
+    ``w_desc``: the weights' TMA descriptor (``GemmConfig.tma``), else None (pointer loads).
+
+    ``NUM_SMS`` 0: one program per tile. Else persistent: NUM_SMS programs walk the tiles of the valid blocks
+    (a prefix of ``block_expert``: the blocks past ``num_padded`` hold -1), ``PERSISTENT`` 2 with the tile loop
+    flattened into the K loop (the next tile's loads overlap this one's epilogue), 3 also warp-specialized."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if NUM_SMS == 0:
+        pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        _gemm_tile(
+            pid_m,
+            pid_n,
+            expert,
+            a_ptr,
+            w_ptr,
+            out_ptr,
+            sorted_ptr,
+            block_expert_ptr,
+            topk_w_ptr,
+            a_scale_ptr,
+            w_scale_ptr,
+            bias_ptr,
+            n_slots,
+            N,
+            K,
+            top_k,
+            stride_am,
+            stride_ak,
+            stride_we,
+            stride_wn,
+            stride_wk,
+            stride_om,
+            stride_on,
+            stride_asm,
+            stride_ask,
+            stride_wse,
+            stride_wsn,
+            stride_wsk,
+            stride_be,
+            stride_bn,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+            QUANT,
+            GROUP_N,
+            GROUP_K,
+            GATED,
+            ACTIVATION,
+            WEIGHT_ON_INPUT,
+            MUL_WEIGHT,
+            IEEE,
+            EVEN_K,
+            HAS_BIAS,
+            A_SORTED,
+            preact_ptr,
+            stride_pm,
+            STORE_PREACT,
+            w_desc,
+        )
+    else:
+        valid_m = _valid_blocks(block_expert_ptr, num_pid_m)
+        for tile in tl.range(
+            tl.program_id(0), valid_m * num_pid_n, NUM_SMS, flatten=PERSISTENT >= 2, warp_specialize=PERSISTENT == 3
+        ):
+            pid_m, pid_n = _tile_ids(tile, valid_m, num_pid_n, GROUP_M)
+            expert = tl.load(block_expert_ptr + pid_m)
+            _gemm_tile(
+                pid_m,
+                pid_n,
+                expert,
+                a_ptr,
+                w_ptr,
+                out_ptr,
+                sorted_ptr,
+                block_expert_ptr,
+                topk_w_ptr,
+                a_scale_ptr,
+                w_scale_ptr,
+                bias_ptr,
+                n_slots,
+                N,
+                K,
+                top_k,
+                stride_am,
+                stride_ak,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_om,
+                stride_on,
+                stride_asm,
+                stride_ask,
+                stride_wse,
+                stride_wsn,
+                stride_wsk,
+                stride_be,
+                stride_bn,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+                QUANT,
+                GROUP_N,
+                GROUP_K,
+                GATED,
+                ACTIVATION,
+                WEIGHT_ON_INPUT,
+                MUL_WEIGHT,
+                IEEE,
+                EVEN_K,
+                HAS_BIAS,
+                A_SORTED,
+                preact_ptr,
+                stride_pm,
+                STORE_PREACT,
+                w_desc,
+            )
+
+
+@triton.jit
+def _valid_blocks(block_expert_ptr, num_blocks):
+    """How many leading entries of ``block_expert`` [num_blocks] are experts (>= 0)."""
+    count = 0
+    for i in range(0, num_blocks, 1024):
+        offs = i + tl.arange(0, 1024)
+        e = tl.load(block_expert_ptr + offs, mask=offs < num_blocks, other=-1)
+        count += tl.sum((e >= 0).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _gemm_tile(
+    pid_m,
+    pid_n,
+    expert,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    topk_w_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    n_slots,
+    N,
+    K,
+    top_k,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_asm,
+    stride_ask,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
+    stride_be,
+    stride_bn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    WEIGHT_ON_INPUT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    A_SORTED: tl.constexpr,
+    preact_ptr,
+    stride_pm,
+    STORE_PREACT: tl.constexpr,
+    w_desc,
+):
+    """One output tile of :func:`_moe_gemm`: BLOCK_M aligned slots of ``expert`` x BLOCK_N columns."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(sorted_ptr + offs_m)
     row_ok = slot < n_slots
@@ -148,6 +333,15 @@ def _moe_gemm(
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Programs of a persistent launch: the GPU's SMs (3 under the CPU interpreter, so that programs take several
+    tiles each)."""
+    if device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def grid_blocks(n_slots: int, max_blocks: int) -> int:
     """Static bound on the number of non-empty blocks: each holds >= 1 slot, and there are max_blocks."""
     return min(n_slots, max_blocks)
@@ -192,6 +386,11 @@ def _launch(
     grid = (num_blocks * cdiv(N, config.block_n),)
     if num_blocks == 0 or N == 0:
         return out
+    persistent = {}
+    if config.persistent:
+        sms = _sm_count(a.device)
+        grid = (min(grid[0], sms),)
+        persistent = {"NUM_SMS": sms, "PERSISTENT": config.persistent}
     weighted = topk_weights is not None
     launch(
         _moe_gemm,
@@ -225,6 +424,7 @@ def _launch(
         A_SORTED=a_sorted,
         **({} if preact is None else {"preact_ptr": preact, "stride_pm": preact.stride(0), "STORE_PREACT": True}),
         **({"w_desc": desc} if (desc := weight_descriptor(w, config, num)) is not None else {}),
+        **persistent,
         **tile_meta(config, num, a.dtype, K, activation),
     )
     return out

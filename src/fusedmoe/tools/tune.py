@@ -93,10 +93,11 @@ def failure_reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
 
 
-def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False) -> list[int]:
+def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False, scaled_k_tiles: bool = False) -> list[int]:
     """Plausible BLOCK_M values for M tokens: by the average rows per expert (``decode_blocks``: also the
     decode-sized blocks of the multiply-add K loops, up to TUNE_DECODE_ROWS rows; the quantized dtypes, whose calls at
-    decode read fewer weight bytes than a 16-row dot tile can use)."""
+    decode read fewer weight bytes than a 16-row dot tile can use; ``scaled_k_tiles``: fp8_block, whose per-K-tile
+    scaling keeps a second accumulator live, so 64-row tiles stay candidates at every M)."""
     from ..ops.configs import TUNE_DECODE_ROWS
 
     rows = M * top_k / max(E, 1)
@@ -108,7 +109,7 @@ def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False) -> 
         return [16, 32]
     if rows <= 32:
         return [32, 64]
-    if rows <= 128:
+    if rows <= 128 or scaled_k_tiles:
         return [64, 128]
     return [128]
 
@@ -126,7 +127,8 @@ def candidates(table: dict, block_m: int, fp8: bool, n: int, k: int, bk_cap: int
                 bk //= 2
         bn = min(bn, max(16, 1 << (max(n, 1) - 1).bit_length()))
         bk = min(bk, max(16, 1 << (max(k, 1) - 1).bit_length()))
-        cfg = GemmConfig(block_m, bn, bk, g, w, s)
+        # bf16 tiles of >= 64 rows read weights through TMA descriptors (the heuristic's rule, measured in #17)
+        cfg = GemmConfig(block_m, bn, bk, g, w, s, tma=not fp8 and block_m >= 64)
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)
@@ -275,7 +277,9 @@ class Target:
         bk_cap = self.block_shape[1] if self.block_shape else None
         space = {}
         for M in ms:
-            bms = block_m_options(M, self.k, self.E, decode_blocks=self.dtype != "bf16")
+            bms = block_m_options(
+                M, self.k, self.E, decode_blocks=self.dtype != "bf16", scaled_k_tiles=self.dtype == "fp8_block"
+            )
             c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick) for bm in bms}
             c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick) for bm in bms}
             space[M] = (bms, c1, c2)
