@@ -143,17 +143,23 @@ def main(args: argparse.Namespace) -> int:
         if args.profile:
             from . import profile
 
-            fn = _make_call("triton", shape, x, w1, w2, quantized, expert_map, manager)
-            breakdown = profile.kernel_breakdown(lambda fn=fn, lg=logits[0]: fn(lg))
-            profile.print_breakdown(f"{shape.name} {args.dtype} M={M} (triton, eager)", breakdown)
-            results.append(
-                {
-                    "backend": "triton",
-                    "M": M,
-                    "profile": breakdown,
-                    "host_ops": profile.cpu_op_counts(lambda fn=fn, lg=logits[0]: fn(lg)),
-                }
-            )
+            # every backend asked for (--backends; triton by default), e.g. ours beside a peer's kernels
+            for backend in backends if args.backends or getattr(args, "peers", False) else ["triton"]:
+                fn = _make_call(
+                    backend, shape, x, w1, w2, quantized, expert_map, manager, getattr(args, "configs_before", None)
+                )
+                if fn is None:
+                    continue
+                breakdown = profile.kernel_breakdown(lambda fn=fn, lg=logits[0]: fn(lg))
+                profile.print_breakdown(f"{shape.name} {args.dtype} M={M} ({backend}, eager)", breakdown)
+                results.append(
+                    {
+                        "backend": backend,
+                        "M": M,
+                        "profile": breakdown,
+                        "host_ops": profile.cpu_op_counts(lambda fn=fn, lg=logits[0]: fn(lg)),
+                    }
+                )
             continue
         for backend in backends:
             fn = _make_call(
