@@ -47,6 +47,10 @@ def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, 
     consts |= dict(EVEN_K=False, HAS_BIAS=False, A_SORTED=False, STORE_PREACT=False)
     # as a launch specializes them: unit strides are constants, pointers, N, K and strides multiples of 16
     consts |= {name: 1 for name in UNIT_STRIDES}
+    # constexprs left out take their defaults (NUM_SMS, PERSISTENT, K_PAIRS, ...), as a launch would
+    # and optional arguments left out are None (w_desc: pointer loads of the weights)
+    defaults = [p for p in _moe_gemm.params if p.has_default and p.name not in consts]
+    consts |= {p.name: p.default for p in defaults if p.is_constexpr or p.default is None}
     sig = signature(quant, weight_only)
     for name in consts:
         sig[name] = "constexpr"

@@ -112,7 +112,7 @@ def _moe_bwd_act(
     EVEN_K: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile_ids(num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
