@@ -10,6 +10,8 @@ views rebuilt at the recorded offsets.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from fusedmoe import FusedMoE, WorkspaceManager, fused_moe, route
 from fusedmoe.api import get_kernel
 from fusedmoe.kernel import MoEKernel
 from fusedmoe.ops import launcher
+from fusedmoe.ops.configs import MoEConfig, get_config, pinned_config
 from fusedmoe.ops.launcher import Recorder
 from fusedmoe.signature import input_signature
 
@@ -298,13 +301,41 @@ def _gpu_args(seed, m, quant):
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_gpu_replay_is_bitwise_a_fresh_run(quant, m, monkeypatch):
     mgr = WorkspaceManager("cuda")
-    args, kw = _gpu_args(0, m, quant)
-    fused_moe(*args, workspace=mgr, **kw)  # records
-    cases = [_gpu_args(s, m, quant) for s in (1, 2, 3)]
-    want = [_fresh(*a, workspace=mgr, **k) for a, k in cases]
-    _no_steps(monkeypatch)
-    for (a, k), w in zip(cases, want):
-        torch.testing.assert_close(fused_moe(*a, workspace=mgr, **k), w, rtol=0, atol=0)
+    with pinned_config(_pointer_loads(m, quant)):  # the config chosen, with pointer loads: replayable
+        args, kw = _gpu_args(0, m, quant)
+        fused_moe(*args, workspace=mgr, **kw)  # records
+        cases = [_gpu_args(s, m, quant) for s in (1, 2, 3)]
+        want = [_fresh(*a, workspace=mgr, **k) for a, k in cases]
+        _no_steps(monkeypatch)
+        for (a, k), w in zip(cases, want):
+            torch.testing.assert_close(fused_moe(*a, workspace=mgr, **k), w, rtol=0, atol=0)
+
+
+def _pointer_loads(m: int, quant: str | None) -> MoEConfig:
+    """The config of a _gpu_args problem with TMA weight descriptors off."""
+    cfg = get_config(m, 8, 256, 128, 2, quant_mode=quant)
+    return MoEConfig(replace(cfg.gemm1, tma=False), replace(cfg.gemm2, tma=False))
+
+
+@pytest.mark.gpu
+def test_gpu_tma_launches_run_unreplayed_and_bitwise_equal():
+    """A launch with a TMA descriptor packs the weights' address when it launches, which a trace cannot
+    substitute: such calls are recorded as not replayable (the reason says why) and run their steps every time,
+    with the same output as a fresh run."""
+    m = 300
+    tma = _pointer_loads(m, None)
+    tma = MoEConfig(replace(tma.gemm1, block_m=64, tma=True), replace(tma.gemm2, block_m=64, tma=True))
+    mgr = WorkspaceManager("cuda")
+    with pinned_config(tma):
+        args, kw = _gpu_args(0, m, None)
+        fused_moe(*args, workspace=mgr, **kw)
+        kernel = get_kernel("triton")
+        assert any("descriptor" in (kernel.traces.reason(key) or "") for key in kernel.traces._traces)
+        for seed in (1, 2):
+            a, k = _gpu_args(seed, m, None)
+            torch.testing.assert_close(
+                fused_moe(*a, workspace=mgr, **k), _fresh(*a, workspace=mgr, **k), rtol=0, atol=0
+            )
 
 
 @pytest.mark.gpu
