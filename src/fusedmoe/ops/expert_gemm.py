@@ -499,9 +499,8 @@ def _k_loop_dense(
     ``w_desc`` (None: pointer loads): a TMA descriptor of the weights flattened to ``[E * R, K]`` (R rows per
     expert) with block ``[BLOCK_N, BLOCK_K]``, from :func:`weight_descriptor`. The tile then reads the rows
     ``desc_row + j`` (``expert * R`` + the tile's first column) and ``+ N`` for up instead of ``offs_nw``:
-    columns past N read other
-    rows (or zeros past the end), which are computed and never stored, like the wrapped columns; K past the end
-    loads as zeros.
+    columns past N read other rows (or zeros past the end), which are computed and never stored, like the
+    wrapped columns; K past the end loads as zeros.
     """
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
