@@ -22,10 +22,12 @@ from ...ops.configs import ENV_DIR, heuristic_config, pinned_config
 from ...routing import route
 from ...workspace.manager import WorkspaceManager
 from . import floors, peers, report, timing
-from .baselines import grouped_mm_available, grouped_mm_moe, hf_experts
+from .baselines import hf_experts
 
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 CALLS_PER_GRAPH = 10
+#: Our backends, which run the quantized weights of a quantized sweep (the others run the bf16 originals).
+OUR_BACKENDS = ("triton", "triton_op", "triton_before", "triton_heuristic")
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
                     }
                 )
             continue
+        ours = None  # our layer's output on logits[0], for the peers' check
         for backend in backends:
             fn = _make_call(
                 backend, shape, x, w1, w2, quantized, expert_map, manager, getattr(args, "configs_before", None)
@@ -168,8 +171,7 @@ def main(args: argparse.Namespace) -> int:
             if fn is None:
                 continue
             calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
-            our_backends = ("triton", "triton_op", "triton_before", "triton_heuristic")
-            stored = "quantized" if quantized and backend in our_backends else "bf16"
+            stored = "quantized" if quantized and backend in OUR_BACKENDS else "bf16"
             floor_us, bytes_moved, bound = floors_of[stored]
             row = {"backend": backend, "M": M, "floor_us": floor_us, "bound": bound}
             try:
@@ -195,7 +197,8 @@ def main(args: argparse.Namespace) -> int:
                 continue
             if backend in peers.MAKERS and "triton" in backends and not quantized:
                 # a peer's output against ours on the same logits: the comparison is only fair if they agree
-                ours = _make_call("triton", shape, x, w1, w2, None, expert_map, manager)(logits[0])
+                if ours is None:
+                    ours = _make_call("triton", shape, x, w1, w2, None, expert_map, manager)(logits[0])
                 row["rel_err_vs_triton"] = peers.check_close(fn(logits[0]), ours)
                 print(f"{backend} M={M}: output vs ours, max relative difference {row['rel_err_vs_triton']:.2e}")
             row["pct_floor"] = 100.0 * floor_us / row["us"]
@@ -306,7 +309,7 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
                 return inner(lg)
 
         return call
-    if backend in ("vllm", "triton_kernels"):
+    if backend in peers.MAKERS:  # vllm, triton_kernels, grouped_mm: bf16 layers of the whole expert set
         if expert_map is not None or not peers.available(backend)[0]:
             return None
         return peers.MAKERS[backend](x, w1, w2, k, routing)
@@ -332,15 +335,6 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
         def call(lg):
             w, ids = route(lg, k, **routing)
             return run(x, ww1, ww2, w, ids, **kw)
-
-        return call
-    if backend == "grouped_mm":
-        if not grouped_mm_available() or expert_map is not None:
-            return None
-
-        def call(lg):
-            w, ids = route(lg, k, **routing)
-            return grouped_mm_moe(x, w1, w2, w, ids)
 
         return call
     if backend in ("hf_grouped_mm", "hf_batched_mm"):
