@@ -212,6 +212,13 @@ DECODE_ROWS = 1.0
 TUNE_DECODE_ROWS = 4
 
 
+def weight_tma(block_m: int, quant_mode: str | None) -> bool:
+    """Whether tiles of ``block_m`` rows read unquantized weights through TMA descriptors by default (the heuristic's
+    and the tuner's rule): from 64 rows, 1-7% faster at M >= 1024 on the H200 (#17); no gain measured for fp8, and
+    MXFP4 takes none."""
+    return quant_mode is None and block_m >= 64
+
+
 def heuristic_config(
     M: int, E: int, H: int, I: int, top_k: int, quant_mode: str | None = None, block_shape: BlockShape | None = None
 ) -> MoEConfig:
@@ -250,8 +257,7 @@ def heuristic_config(
     else:
         g1 = GemmConfig(128, 128, 128 if fp8 else 64, 16, 8, 3 if fp8 else 4)
         g2 = GemmConfig(128, 256 if not fp8 else 128, 128 if fp8 else 64, 16, 8, 3 if fp8 else 4)
-    if not fp8 and g1.block_m >= 64:
-        # weights through TMA descriptors: 3-7% faster at M >= 1024 on the H200 (bf16, #17); no gain measured for fp8
+    if weight_tma(g1.block_m, quant_mode):
         g1, g2 = replace(g1, tma=True), replace(g2, tma=True)
     # no wider than the problem
     g1 = replace(g1, block_n=_pow2_at_most(I, g1.block_n), block_k=_pow2_at_most(H, g1.block_k))
@@ -390,4 +396,5 @@ __all__ = [
     "smem_bytes",
     "source_key",
     "table_to_json",
+    "weight_tma",
 ]

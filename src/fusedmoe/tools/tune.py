@@ -114,9 +114,11 @@ def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False, sca
     return [128]
 
 
-def candidates(table: dict, block_m: int, fp8: bool, n: int, k: int, bk_cap: int | None, quick: bool):
+def candidates(
+    table: dict, block_m: int, fp8: bool, n: int, k: int, bk_cap: int | None, quick: bool, quant_mode: str | None = None
+):
     """GemmConfigs for one GEMM: the curated tiles, fp8 with doubled BLOCK_K, clipped to the problem."""
-    from ..ops.configs import GemmConfig
+    from ..ops.configs import GemmConfig, weight_tma
 
     seen, out = set(), []
     for bn, bk, g, w, s in table[block_m][: 3 if quick else None]:
@@ -127,8 +129,7 @@ def candidates(table: dict, block_m: int, fp8: bool, n: int, k: int, bk_cap: int
                 bk //= 2
         bn = min(bn, max(16, 1 << (max(n, 1) - 1).bit_length()))
         bk = min(bk, max(16, 1 << (max(k, 1) - 1).bit_length()))
-        # bf16 tiles of >= 64 rows read weights through TMA descriptors (the heuristic's rule, measured in #17)
-        cfg = GemmConfig(block_m, bn, bk, g, w, s, tma=not fp8 and block_m >= 64)
+        cfg = GemmConfig(block_m, bn, bk, g, w, s, tma=weight_tma(block_m, quant_mode))
         if cfg not in seen:
             seen.add(cfg)
             out.append(cfg)
@@ -280,8 +281,9 @@ class Target:
             bms = block_m_options(
                 M, self.k, self.E, decode_blocks=self.dtype != "bf16", scaled_k_tiles=self.dtype == "fp8_block"
             )
-            c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick) for bm in bms}
-            c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick) for bm in bms}
+            mode = self.quant.mode if self.quant is not None else None
+            c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick, mode) for bm in bms}
+            c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick, mode) for bm in bms}
             space[M] = (bms, c1, c2)
         return space
 
