@@ -4,20 +4,12 @@ the hardware's rules are not met, and no replay of a launch that carries a descr
 import pytest
 import torch
 from devices import TRITON_DEVICES, tolerance
+from test_triton_experts import ACT_DTYPE, _case, _run
 
-from fusedmoe import LocalPrepareFinalize, MoEKernel
-from fusedmoe.experts.base import ExpertsInputs
-from fusedmoe.experts.triton_experts import TritonExperts
 from fusedmoe.ops.configs import GemmConfig, MoEConfig, pinned_config
 from fusedmoe.ops.expert_gemm import Numerics, weight_descriptor
 from fusedmoe.ops.launcher import Recorder
-from fusedmoe.problem import MoEProblem
-from fusedmoe.quant import QuantConfig, quantize_weights
-from fusedmoe.reference import fused_moe_reference, relative_error
-from fusedmoe.workspace.manager import WorkspaceManager
-
-#: activation dtype per device for the fp8 cases (the interpreter has no bf16)
-ACT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+from fusedmoe.reference import relative_error
 
 
 def _pins(device: str, block_m: int = 16) -> tuple[MoEConfig, MoEConfig]:
@@ -29,33 +21,6 @@ def _pins(device: str, block_m: int = 16) -> tuple[MoEConfig, MoEConfig]:
     return MoEConfig(g, g), MoEConfig(tma, tma)
 
 
-def _run(x, w1, w2, tw, ids, q, kw, emap=None, gE=None, poison=False):
-    M, H = x.shape
-    E, two_i, _ = w1.shape
-    gE = gE or E
-    p = MoEProblem(M, H, two_i // 2, E, gE, ids.shape[1], x.dtype, w1.dtype, "silu", False, emap is not None, q)
-    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
-    inputs = ExpertsInputs(x, w1, w2, tw, ids, expert_map=emap, **kw)
-    return kernel(inputs, p, manager=WorkspaceManager(x.device, poison=poison))
-
-
-def _case(M, H, I, E, k, device, dtype, quant=None, gE=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    gE = gE or E
-    x = torch.randn(M, H, generator=g)
-    w1 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
-    w2 = torch.randn(E, H, I, generator=g) / I**0.5
-    ids = torch.stack([torch.randperm(gE, generator=g)[:k] for _ in range(M)]).int()
-    tw = torch.rand(M, k, generator=g) + 0.1
-    x, w1, w2 = (t.to(device, dtype) for t in (x, w1, w2))
-    q = QuantConfig.parse(quant)
-    kw = {}
-    if q is not None:
-        w1, w2, s1, s2 = quantize_weights(w1, w2, q)
-        kw = dict(w1_scale=s1, w2_scale=s2)
-    return x, w1, w2, tw.to(device), ids.to(device), q, kw
-
-
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("quant", [None, "fp8_token", "fp8_block"])
 def test_tma_matches_pointer_loads_and_reference(quant, device):
@@ -65,18 +30,16 @@ def test_tma_matches_pointer_loads_and_reference(quant, device):
     dtype = ACT_DTYPE[device] if quant else (torch.float32 if device == "cpu" else torch.bfloat16)
     H, I = (80, 48) if device == "cpu" else (208, 80)
     M = 13 if device == "cpu" else 300
-    case = _case(M, H, I, 4, 2, device, dtype, quant=quant, gE=6)
+    case = _case(M, H, I, 4, 2, device=device, dtype=dtype, quant=quant, gE=6)
     emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32, device=device)
     plain, tma = _pins(device)
     assert weight_descriptor(case[1], tma.gemm1, Numerics(quant and case[5].mode)) is not None
     with pinned_config(plain):
-        ref_ptr = _run(*case, emap=emap, gE=6)
+        ref_ptr, _ = _run(*case, emap=emap)
     with pinned_config(tma):
-        out = _run(*case, emap=emap, gE=6, poison=True)
-    x, w1, w2, tw, ids, q, kw = case
-    ref = fused_moe_reference(x, w1, w2, tw, ids, expert_map=emap, global_num_experts=6, quant=q, **kw)
+        out, ref = _run(*case, emap=emap, poison=True)
     assert torch.isfinite(out).all()
-    assert relative_error(out, ref) < tolerance(dtype, quantized=q is not None)
+    assert relative_error(out, ref) < tolerance(dtype, quantized=quant is not None)
     assert relative_error(out, ref_ptr) < tolerance(dtype)
 
 
@@ -86,13 +49,11 @@ def test_tma_edges(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     _, tma = _pins(device)
     with pinned_config(tma):
-        case = _case(1, 80, 48, 4, 4, device, dtype)
-        assert relative_error(_run(*case), fused_moe_reference(*case[:5])) < tolerance(dtype)
-        x, w1, w2, tw, ids, q, kw = _case(9, 80, 48, 8, 1, device, dtype)
-        ids = torch.full_like(ids, 5)
-        assert relative_error(_run(x, w1, w2, tw, ids, q, kw), fused_moe_reference(x, w1, w2, tw, ids)) < tolerance(
-            dtype
-        )
+        out, ref = _run(*_case(1, 80, 48, 4, 4, device=device, dtype=dtype))
+        assert relative_error(out, ref) < tolerance(dtype)
+        x, w1, w2, tw, ids, q, kw = _case(9, 80, 48, 8, 1, device=device, dtype=dtype)
+        out, ref = _run(x, w1, w2, tw, torch.full_like(ids, 5), q, kw)
+        assert relative_error(out, ref) < tolerance(dtype)
 
 
 def test_descriptor_only_where_the_rules_hold():
