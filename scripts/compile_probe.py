@@ -2,7 +2,7 @@
 compiler made of it: the dot instruction (wgmma or mma.sync), asynchronous copies (pipelined loads), layout
 conversions, shared memory and registers/spills (from the ptxas Triton ships). For comparing K-loop variants
 before spending GPU time. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128]
-[--warps 4] [--stages 3] [--gated 1] [--dump DIR] [--weight-only]"""
+[--warps 4] [--stages 3] [--gated 1] [--dump DIR] [--weight-only] [--tma] [--interleave] [--persistent 1]"""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedmoe.ops.grouped_gemm import _moe_gemm  # noqa: E402
-
 
 UNIT_STRIDES = ("stride_ak", "stride_wk", "stride_on", "stride_wsk", "stride_bn")
 
@@ -41,10 +40,26 @@ def signature(quant: int, weight_only: bool = False) -> dict[str, str]:
     return sig
 
 
-def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, gated: bool, weight_only=False):
+def compile_one(
+    quant: int,
+    bm: int,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+    gated: bool,
+    weight_only=False,
+    tma=False,
+    interleave=False,
+    persistent=0,
+):
+    """``tma``: weights through a TMA descriptor (the interleaved 4-D one with ``interleave``); ``persistent``:
+    ``GemmConfig.persistent`` on 132 SMs."""
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT=quant, GROUP_N=128, GROUP_K=128)
     consts |= dict(GATED=gated, ACTIVATION=0, WEIGHT_ON_INPUT=False, MUL_WEIGHT=not gated, IEEE=False)
-    consts |= dict(EVEN_K=False, HAS_BIAS=False, A_SORTED=False, STORE_PREACT=False)
+    consts |= dict(EVEN_K=False, HAS_BIAS=False, A_SORTED=False, STORE_PREACT=False, INTERLEAVE=interleave)
+    if persistent:
+        consts |= dict(NUM_SMS=132, PERSISTENT=persistent)
     # as a launch specializes them: unit strides are constants, pointers, N, K and strides multiples of 16
     consts |= {name: 1 for name in UNIT_STRIDES}
     # constexprs left out take their defaults (NUM_SMS, PERSISTENT, K_PAIRS, ...), as a launch would
@@ -52,6 +67,11 @@ def compile_one(quant: int, bm: int, bn: int, bk: int, warps: int, stages: int, 
     defaults = [p for p in _moe_gemm.params if p.has_default and p.name not in consts]
     consts |= {p.name: p.default for p in defaults if p.is_constexpr or p.default is None}
     sig = signature(quant, weight_only)
+    if tma:
+        w_type = sig["w_ptr"].lstrip("*")
+        consts.pop("w_desc", None)
+        block = f"1,{bn},2,{bk}" if interleave else f"{bn},{bk}"
+        sig["w_desc"] = f"tensordesc<{w_type}[{block}]>"
     for name in consts:
         sig[name] = "constexpr"
     names = [p.name for p in _moe_gemm.params]
@@ -111,11 +131,26 @@ def main() -> int:
     ap.add_argument("--gated", type=int, default=1)
     ap.add_argument("--dump", default=None)
     ap.add_argument("--weight-only", action="store_true", help="fp8 codes with bf16 activations (BLOCK_M < 16)")
+    ap.add_argument("--tma", action="store_true", help="weights through a TMA descriptor")
+    ap.add_argument("--interleave", action="store_true", help="GemmConfig.interleave (gated: one gate-up dot)")
+    ap.add_argument("--persistent", type=int, default=0, help="GemmConfig.persistent mode")
     args = ap.parse_args()
     for tile in args.tiles.split(":"):
         bm, bn, bk = (int(v) for v in tile.split(","))
         for q in (int(v) for v in args.quant.split(",")):
-            c = compile_one(q, bm, bn, bk, args.warps, args.stages, bool(args.gated), args.weight_only)
+            c = compile_one(
+                q,
+                bm,
+                bn,
+                bk,
+                args.warps,
+                args.stages,
+                bool(args.gated),
+                args.weight_only,
+                args.tma,
+                args.interleave,
+                args.persistent,
+            )
             print(f"QUANT={q} tile {bm}x{bn}x{bk} warps {args.warps} stages {args.stages}: {stats(c)}")
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)

@@ -21,7 +21,6 @@ for grad in (True, False):
             fused_moe(x, w1, w2, tw, ids)
         torch.cuda.synchronize()
         ((p, kernel, manager),) = [v for v in _VERDICTS.values()][-1:]
-        from fusedmoe.signature import input_signature
 
         print("grad", grad, "replay reason:", kernel.replay_reason(p, next(iter(_VERDICTS))[0]))
         n = 2000

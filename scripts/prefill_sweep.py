@@ -18,10 +18,12 @@ from dataclasses import replace
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from fusedmoe.ops.align import moe_align  # noqa: E402
 from fusedmoe.ops.configs import GemmConfig, get_config  # noqa: E402
 from fusedmoe.ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2  # noqa: E402
+from fusedmoe.ops.reduce import ReduceLaunch, moe_reduce  # noqa: E402
 from fusedmoe.tools.presets import get_preset  # noqa: E402
 
 
@@ -46,8 +48,8 @@ def graph_time_us(fn, reps: int = 10, runs: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def variants(base: GemmConfig) -> list[tuple[str, GemmConfig, dict]]:
-    """(label, config, extra keywords) of the configs to time around the shipped one."""
+def variants_diag(base: GemmConfig, gated: bool) -> list[tuple[str, GemmConfig, dict]]:
+    """The first diagnosis (eaa1dd1): (label, config, extra keywords) around the shipped config."""
     out = [("shipped", base, {}), ("no-tma", replace(base, tma=False), {})]
     for s in (2, 3, 4):
         if s != base.num_stages:
@@ -57,10 +59,50 @@ def variants(base: GemmConfig) -> list[tuple[str, GemmConfig, dict]]:
         out.append((f"persistent{mode}-s{stages}", replace(base, persistent=mode, num_stages=stages), {}))
     out.append(("bk128-s2", replace(base, block_k=128, num_stages=2), {}))
     out.append(("bn/2-w4-s4", replace(base, block_n=base.block_n // 2, num_warps=4, num_stages=4), {}))
+    if not gated:
+        out.append(("a_sorted", base, {"a_sorted": True}))
     return out
 
 
-def sweep(preset: str, M: int, results: list, dev: str = "cuda", only=None, eager=False) -> None:
+def variants_rules(base: GemmConfig, gated: bool) -> list[tuple[str, GemmConfig, dict]]:
+    """The candidates for the tables' rules: GEMM1's interleaved gate-up dot, grouping and persistence."""
+    out = [("shipped", base, {}), ("group32", replace(base, group_m=32), {})]
+    if gated:
+        il = replace(base, interleave=True)
+        out += [("interleave", il, {}), ("interleave-no-tma", replace(il, tma=False), {})]
+        out += [("interleave-s4", replace(il, num_stages=4), {}), ("interleave-group32", replace(il, group_m=32), {})]
+        out += [("interleave-p1-s3", replace(il, persistent=1, num_stages=3), {})]
+        out += [("interleave-p2-s3", replace(il, persistent=2, num_stages=3), {})]
+        out += [("persistent1-s3", replace(base, persistent=1, num_stages=3), {})]
+    else:
+        p2 = replace(base, persistent=2, num_stages=3)
+        out += [("persistent2-s3", p2, {}), ("persistent2-s3-group32", replace(p2, group_m=32), {})]
+        out += [("persistent2-s4", replace(p2, num_stages=4), {}), ("persistent3-s3", replace(p2, persistent=3), {})]
+        out += [("persistent1-s3", replace(base, persistent=1, num_stages=3), {}), ("a_sorted", base, {"a_sorted": 1})]
+    return out
+
+
+VARIANTS = {"diag": variants_diag, "rules": variants_rules}
+#: (BLOCK_H, tokens per program, warps) of the reduce to time; the first is the shipped one (ops.reduce).
+REDUCE_SHAPES = [(1024, 1, 4), (1024, 4, 4), (1024, 8, 4), (2048, 1, 8), (2048, 4, 8), (4096, 1, 8), (4096, 4, 8)]
+REDUCE_SHAPES += [(512, 1, 2), (512, 4, 2)]
+
+
+def _run(label, fn, row, dev, eager, flop=None, nbytes=None):
+    """Time ``fn`` into ``row`` (printed); a variant that fails to compile or launch is recorded with its error."""
+    try:
+        us = graph_time_us(fn) if dev == "cuda" and not eager else (fn(), fn(), 1.0)[2]
+        row["us"] = us
+        rate = f"{flop / us / 1e6:6.1f} TFLOP/s" if flop else f"{nbytes / us / 1e6:6.2f} TB/s"
+        print(f"  {row['gemm']} {label:>22}: {us:9.1f} us  {rate}   {row.get('config', '')}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - a variant that does not compile or launch is a result too
+        row["error"] = str(exc)[:200]
+        print(f"  {row['gemm']} {label:>22}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+
+def sweep(preset: str, M: int, results: list, dev="cuda", only=None, eager=False, which="diag", reduce=False):
     if preset.startswith("E="):  # E=..,H=..,I=..,k=.. (a dry run on the CPU interpreter: --device cpu)
         E, H, I, k = (int(v.split("=")[1]) for v in preset.split(";"))
     else:
@@ -77,14 +119,11 @@ def sweep(preset: str, M: int, results: list, dev: str = "cuda", only=None, eage
     sorted_ids, block_expert, _ = moe_align(topk_ids, E, cfg.block_m)
     nb = grid_blocks(M * k, block_expert.numel())
     act = torch.empty(max(M * k, sorted_ids.numel()), I, device=dev, dtype=dtype).normal_()
-    y = torch.empty(M * k, H, device=dev, dtype=dtype)
+    y = torch.empty(M * k, H, device=dev, dtype=dtype).normal_()
     flop1, flop2 = 2 * M * k * H * 2 * I, 2 * M * k * I * H
     print(f"== {preset} M={M}: E={E} H={H} I={I} k={k}; shipped gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2}", flush=True)
     for gemm, base, flop in (("gemm1", cfg.gemm1, flop1), ("gemm2", cfg.gemm2, flop2)):
-        vs = variants(base)
-        if gemm == "gemm2":
-            vs.append(("a_sorted", base, {"a_sorted": True}))
-        for label, g, extra in vs:
+        for label, g, extra in VARIANTS[which](base, gemm == "gemm1"):
             if only and label not in only:
                 continue
             if gemm == "gemm1":
@@ -97,15 +136,21 @@ def sweep(preset: str, M: int, results: list, dev: str = "cuda", only=None, eage
                     a = act if extra.get("a_sorted") else act[: M * k]
                     moe_gemm2(a, w2, y, sorted_ids, block_expert, num_blocks=nb, config=g, topk_weights=topk_w, **extra)
 
-            try:
-                us = graph_time_us(fn) if dev == "cuda" and not eager else (fn(), fn(), 1.0)[2]
-                row = {"preset": preset, "M": M, "gemm": gemm, "label": label, "us": us, "tflops": flop / us / 1e6}
-                print(f"  {gemm} {label:>16}: {us:9.1f} us  {flop / us / 1e6:6.1f} TFLOP/s   {g}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - a variant that does not compile or launch is a result too
-                row = {"preset": preset, "M": M, "gemm": gemm, "label": label, "error": str(exc)[:200]}
-                print(f"  {gemm} {label:>16}: FAILED {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                torch.cuda.synchronize()
-            row["config"] = g.to_dict()
+            row = {"preset": preset, "M": M, "gemm": gemm, "label": label, "config": g.to_dict()}
+            _run(label, fn, row, dev, eager, flop=flop)
+            results.append(row)
+    if reduce:
+        out = torch.empty(M, H, device=dev, dtype=dtype)
+        nbytes = (M * k + M) * H * y.element_size()
+        for shape in REDUCE_SHAPES:
+            shape = ReduceLaunch(min(shape[0], max(16, triton.next_power_of_2(H))), *shape[1:])
+            label = f"h{shape.block_h}-t{shape.tokens}-w{shape.num_warps}"
+
+            def fn(shape=shape):
+                moe_reduce(y, topk_ids, out, E, launch_shape=shape)
+
+            row = {"preset": preset, "M": M, "gemm": "reduce", "label": label, "config": shape._asdict()}
+            _run(label, fn, row, dev, eager, nbytes=nbytes)
             results.append(row)
 
 
@@ -116,12 +161,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", default=None, help="comma-separated variant labels (default: all)")
     ap.add_argument("--eager", action="store_true", help="two plain calls per variant, untimed (for ncu)")
+    ap.add_argument("--set", default="diag", choices=sorted(VARIANTS), help="which variants to time")
+    ap.add_argument("--reduce", action="store_true", help="also time the top-k reduce under REDUCE_SHAPES")
     args = ap.parse_args()
     results: list = []
     for item in args.presets.split(","):
         preset, M = item.split(":")
         only = set(args.only.split(",")) if args.only else None
-        sweep(preset, int(M), results, args.device, only, args.eager)
+        sweep(preset, int(M), results, args.device, only, args.eager, args.set, args.reduce)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"commit": os.environ.get("FUSEDMOE_COMMIT", "unknown"), "rows": results}, f, indent=1)

@@ -56,6 +56,9 @@ class GemmConfig:
     #: 0: one program per tile. 1: persistent (one program per SM walks the tiles), 2: persistent with the tile loop
     #: flattened into the K loop, 3: also warp-specialized (``grouped_gemm._moe_gemm``).
     persistent: int = 0
+    #: GEMM1 only: gate and up rows read as one interleaved tile, one dot of 2 x BLOCK_N columns per K tile
+    #: (``expert_gemm._k_loop_gate_up``; dense, fp8_tensor and fp8_token weights, tiles of >= 16 rows).
+    interleave: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
@@ -68,6 +71,7 @@ class GemmConfig:
             num_stages=int(d.get("num_stages", 3)),
             tma=bool(d.get("tma", False)),
             persistent=int(d.get("persistent", 0)),
+            interleave=bool(d.get("interleave", False)),
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -83,6 +87,8 @@ class GemmConfig:
             d["tma"] = 1
         if self.persistent:
             d["persistent"] = self.persistent
+        if self.interleave:
+            d["interleave"] = 1
         return d
 
 

@@ -106,11 +106,13 @@ def k_loop(
     EVEN_K: tl.constexpr,
     w_desc=None,
     desc_row=0,
+    INTERLEAVE: tl.constexpr = False,
 ):
     """The K loop of one tile: for MXFP4 weights :func:`_k_loop_mxfp4_scaled` (QUANT 5) or :func:`_k_loop_mxfp4`
     (QUANT 4), else :func:`_k_loop_dense`. Tiles of fewer than 16 rows (BLOCK_M) take multiply-adds in every
     format: for MXFP4 :func:`_k_loop_mxfp4_row` (one row) or :func:`_k_loop_mxfp4` with FMA, :func:`_k_loop_fma`
-    for the others. ``w_desc``: see :func:`_k_loop_dense` (only its tensor-core tiles take one)."""
+    for the others. ``w_desc``: see :func:`_k_loop_dense` (only its tensor-core tiles take one). ``INTERLEAVE``
+    (gated tensor-core tiles of dense, fp8_tensor or fp8_token weights): :func:`_k_loop_gate_up`."""
     fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
     if QUANT == 5 and not fma:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
@@ -118,6 +120,10 @@ def k_loop(
         acc_g, acc_u = _k_loop_mxfp4_row(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
     elif QUANT == 4 or QUANT == 5:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, fma)
+    elif INTERLEAVE and GATED and QUANT != 3 and not fma:
+        acc_g, acc_u = _k_loop_gate_up(
+            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, IEEE, EVEN_K, w_desc, desc_row
+        )
     elif fma:
         acc_g, acc_u = _k_loop_fma(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED)
     else:
@@ -563,6 +569,55 @@ def _k_loop_dense(
 
 
 @triton.jit
+def _k_loop_gate_up(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    w_desc=None,
+    desc_row=0,
+):
+    """:func:`_k_loop_dense` of a gated tile (QUANT 0, 1 or 2) as one dot per K tile: the gate and up rows of the
+    tile's columns read as one [BLOCK_K, 2 * BLOCK_N] weight tile, interleaved (column 2j is gate row
+    ``offs_nw[j]``, 2j + 1 up row ``offs_nw[j] + N``), into one [BLOCK_M, 2 * BLOCK_N] accumulator. A dot twice as
+    wide reads the A tile once per K tile instead of twice, and the interleaving puts each gate value and its up
+    value in the same thread, so the split after the loop moves no data.
+
+    ``w_desc`` (None: pointer loads): a 4-D TMA descriptor of the weights viewed as [E, N, 2, K] (gate row j and
+    up row j adjacent; :func:`weight_descriptor` with ``interleave``), block [1, BLOCK_N, 2, BLOCK_K], read at
+    ``[expert, desc_row, 0, k]`` (``desc_row``: the tile's first column); columns past N load as zeros."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    BLOCK_N: tl.constexpr = offs_nw.shape[0]
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_rows = tl.reshape(tl.join(offs_nw, offs_nw + N), [2 * BLOCK_N])
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([rows.shape[0], 2 * BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - kt * BLOCK_K)[None, :], other=0.0)
+        if w_desc is not None:
+            w = tl.reshape(w_desc.load([expert, desc_row, 0, kt * BLOCK_K]), [2 * BLOCK_N, BLOCK_K]).T
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(offs_k < K - kt * BLOCK_K)[:, None], other=0.0)
+        acc = _mma(a, w, acc, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    acc_g, acc_u = tl.split(tl.reshape(acc, [rows.shape[0], BLOCK_N, 2]))
+    return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, True, True)
+
+
+@triton.jit
 def epilogue(
     acc_g,
     acc_u,
@@ -704,11 +759,13 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
     return a_rows, a_cols, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
 
-def weight_descriptor(w: torch.Tensor, config: GemmConfig, num: Numerics):
+def weight_descriptor(w: torch.Tensor, config: GemmConfig, num: Numerics, interleave: bool = False):
     """The TMA descriptor :func:`_k_loop_dense` reads ``w`` [E, R, K] through when ``config.tma`` asks for one:
-    ``w`` flattened to [E * R, K], block [BLOCK_N, BLOCK_K]. None (pointer loads) for the tiles that do not take
-    one (MXFP4, fewer than 16 rows) and where the hardware's rules are not met: K contiguous, experts packed
-    back to back, a 16-byte aligned base and row stride, a K block of at least 16 bytes."""
+    ``w`` flattened to [E * R, K], block [BLOCK_N, BLOCK_K]; with ``interleave`` (a gated ``w``, R = 2N, read by
+    :func:`_k_loop_gate_up`) ``w`` viewed as [E, N, 2, K] (gate row j, then up row j), block [1, BLOCK_N, 2,
+    BLOCK_K]. None (pointer loads) for the tiles that do not take one (MXFP4, fewer than 16 rows) and where the
+    hardware's rules are not met: K contiguous, experts packed back to back, a 16-byte aligned base and row
+    stride, a K block of at least 16 bytes."""
     if not config.tma or num.mode == "mxfp4" or config.block_m < MIN_DOT_BLOCK_M or w.dim() != 3:
         return None
     E, R, K = w.shape
@@ -723,6 +780,10 @@ def weight_descriptor(w: torch.Tensor, config: GemmConfig, num: Numerics):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if interleave:
+        N = R // 2
+        shape, strides = [E, N, 2, K], [R * w.stride(1), w.stride(1), N * w.stride(1), 1]
+        return TensorDescriptor(w, shape, strides, [1, config.block_n, 2, config.block_k])
     flat = w.as_strided((E * R, K), (w.stride(1), 1))
     return TensorDescriptor(flat, [E * R, K], [w.stride(1), 1], [config.block_n, config.block_k])
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from ._util import cdiv
 from .configs import GemmConfig
 from .expert_gemm import (
+    MIN_DOT_BLOCK_M,
     Numerics,
     check_operands,
     columns,
@@ -117,6 +118,7 @@ def _moe_gemm(
     w_desc=None,
     NUM_SMS: tl.constexpr = 0,
     PERSISTENT: tl.constexpr = 0,
+    INTERLEAVE: tl.constexpr = False,
 ):
     """Output rows are slots; activation (and activation-scale) rows are ``slot // top_k``: tokens for GEMM1,
     the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves.
@@ -124,7 +126,8 @@ def _moe_gemm(
 
     ``NUM_SMS`` 0: one program per tile. Else persistent: NUM_SMS programs walk the tiles of the valid blocks
     (a prefix of ``block_expert``: the blocks past ``num_padded`` hold -1), ``PERSISTENT`` 2 with the tile loop
-    flattened into the K loop (the next tile's loads overlap this one's epilogue), 3 also warp-specialized."""
+    flattened into the K loop (the next tile's loads overlap this one's epilogue), 3 also warp-specialized.
+    ``INTERLEAVE`` (GEMM1, ``GemmConfig.interleave``): gate and up as one dot (``expert_gemm._k_loop_gate_up``)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # the runtime arguments a tile reads besides its coordinates, handed to _gemm_tile as one tuple
     args = (
@@ -183,6 +186,7 @@ def _moe_gemm(
             HAS_BIAS,
             A_SORTED,
             STORE_PREACT,
+            INTERLEAVE,
         )
     else:
         valid_m = _valid_blocks(block_expert_ptr, num_pid_m)
@@ -211,6 +215,7 @@ def _moe_gemm(
                 HAS_BIAS,
                 A_SORTED,
                 STORE_PREACT,
+                INTERLEAVE,
             )
 
 
@@ -246,6 +251,7 @@ def _gemm_tile(
     HAS_BIAS: tl.constexpr,
     A_SORTED: tl.constexpr,
     STORE_PREACT: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
 ):
     """One output tile of :func:`_moe_gemm`: BLOCK_M aligned slots of ``expert`` x BLOCK_N columns; ``args`` are
     the kernel's runtime arguments in the order :func:`_moe_gemm` packs them."""
@@ -291,9 +297,28 @@ def _gemm_tile(
     a_op = (a_ptr, 0, rows, stride_am, stride_ak)
     w_op = (w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk)
     scales = (a_scale_ptr, rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk)
-    desc_row = (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32)  # read with w_desc only
+    # read with w_desc only: the tile's first weight row of the flattened [E * R, K] descriptor, or its first
+    # column of the interleaved [E, N, 2, K] one
+    if INTERLEAVE:
+        desc_row = pid_n * BLOCK_N
+    else:
+        desc_row = (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32)
     acc_g, acc_u = k_loop(
-        a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K, w_desc, desc_row
+        a_op,
+        w_op,
+        scales,
+        row_ok,
+        expert,
+        BLOCK_K,
+        QUANT,
+        GROUP_N,
+        GROUP_K,
+        GATED,
+        IEEE,
+        EVEN_K,
+        w_desc,
+        desc_row,
+        INTERLEAVE,
     )
     if STORE_PREACT:  # GEMM1's raw accumulators (before weight, bias, activation), saved for the backward
         pre_ptrs = preact_ptr + tl.where(row_ok, slot, 0).to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
@@ -366,6 +391,8 @@ def _launch(
         grid = (min(grid[0], sms),)
         persistent = {"NUM_SMS": sms, "PERSISTENT": config.persistent}
     weighted = topk_weights is not None
+    interleave = config.interleave and activation is not None and num.mode in (None, "fp8_tensor", "fp8_token")
+    interleave = interleave and config.block_m >= MIN_DOT_BLOCK_M
     launch(
         _moe_gemm,
         grid,
@@ -397,7 +424,8 @@ def _launch(
         HAS_BIAS=bias is not None,
         A_SORTED=a_sorted,
         **({} if preact is None else {"preact_ptr": preact, "stride_pm": preact.stride(0), "STORE_PREACT": True}),
-        **({"w_desc": desc} if (desc := weight_descriptor(w, config, num)) is not None else {}),
+        **({"w_desc": desc} if (desc := weight_descriptor(w, config, num, interleave)) is not None else {}),
+        **({"INTERLEAVE": True} if interleave else {}),
         **persistent,
         **tile_meta(config, num, a.dtype, K, activation),
     )

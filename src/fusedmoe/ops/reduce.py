@@ -7,6 +7,8 @@ written, so neither ``y`` nor ``out`` needs zeroing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,7 @@ def _moe_reduce(
     ids_ptr,
     map_ptr,
     out_ptr,
+    M,
     H,
     global_E,
     E,
@@ -30,21 +33,39 @@ def _moe_reduce(
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """Program (i, h) sums the columns ``h * BLOCK_H + [0, BLOCK_H)`` of tokens ``i * TOKENS + [0, TOKENS)``."""
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        slot = t * TOP_K + j
-        local = _local_expert(tl.load(ids_ptr + slot), map_ptr, global_E, E, HAS_MAP)
-        y = tl.load(y_ptr + slot * stride_ym + offs, mask=h_ok & (local >= 0), other=0.0)
-        acc += y.to(tl.float32)
-    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+    for i in range(TOKENS):
+        t = tl.program_id(0).to(tl.int64) * TOKENS + i
+        t_ok = t < M
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            slot = t * TOP_K + j
+            ids = tl.load(ids_ptr + slot, mask=t_ok, other=-1)
+            local = _local_expert(ids, map_ptr, global_E, E, HAS_MAP)
+            y = tl.load(y_ptr + slot * stride_ym + offs, mask=h_ok & (local >= 0), other=0.0)
+            acc += y.to(tl.float32)
+        tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok & t_ok)
 
 
 def reduce_block_h(H: int) -> int:
     return max(16, min(1024, next_pow2(H)))
+
+
+class ReduceLaunch(NamedTuple):
+    """Launch shape of :func:`moe_reduce`: BLOCK_H columns and TOKENS tokens per program, warps per program."""
+
+    block_h: int
+    tokens: int
+    num_warps: int
+
+
+def reduce_launch(M: int, H: int) -> ReduceLaunch:
+    """The launch of a reduce over ``M`` tokens of ``H`` columns (see :class:`ReduceLaunch`)."""
+    return ReduceLaunch(reduce_block_h(H), 1, 4)
 
 
 def moe_reduce(
@@ -55,6 +76,7 @@ def moe_reduce(
     *,
     expert_map: torch.Tensor | None = None,
     global_num_experts: int | None = None,
+    launch_shape: ReduceLaunch | None = None,
 ) -> torch.Tensor:
     """Sum the weighted slot rows of each token.
 
@@ -62,6 +84,7 @@ def moe_reduce(
         y: [M*k, H] slot-indexed rows (already multiplied by routing weights), contiguous in H.
         topk_ids: int32/int64 [M, k] contiguous. out: [M, H] (any float dtype), written in full.
         num_experts, expert_map, global_num_experts: as for :func:`fusedmoe.ops.align.moe_align`.
+        launch_shape: override of :func:`reduce_launch` (benchmarks).
     """
     M, k = topk_ids.shape
     H = out.shape[1]
@@ -75,14 +98,15 @@ def moe_reduce(
         return out
     if global_num_experts is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
-    bh = reduce_block_h(H)
+    shape = reduce_launch(M, H) if launch_shape is None else launch_shape
     launch(
         _moe_reduce,
-        (M, cdiv(H, bh)),
+        (cdiv(M, shape.tokens), cdiv(H, shape.block_h)),
         y,
         topk_ids,
         expert_map if expert_map is not None else topk_ids,
         out,
+        M,
         H,
         global_num_experts,
         num_experts,
@@ -90,8 +114,9 @@ def moe_reduce(
         out.stride(0),
         TOP_K=k,
         HAS_MAP=expert_map is not None,
-        BLOCK_H=bh,
-        num_warps=4,
+        BLOCK_H=shape.block_h,
+        TOKENS=shape.tokens,
+        num_warps=shape.num_warps,
     )
     return out
 
