@@ -456,3 +456,14 @@ def test_gpu_fp8_with_k_below_an_fp8_dot_tile(mode, layout):
             M=M, H=H, I=I, E=E, global_E=E, top_k=k, dtype=torch.bfloat16, weight_dtype=w1q.dtype, quant=narrow
         )
         assert "needs scale groups of >= 32" in get_kernel("triton").unsupported(p16)
+
+
+@interpreter
+def test_y_takes_the_activation_dtype():
+    """GEMM2's weighted rows ``y`` are stored in the activation dtype (bf16 halves GEMM2's stores and the
+    reduce's reads against float32); float32 problems keep float32."""
+    kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        p = MoEProblem(64, 2048, 768, 128, 128, 8, dtype, dtype)
+        (y,) = [s for s in kernel.plan(p).buffers if s.name == "y"]
+        assert y.dtype == dtype and tuple(y.shape) == (64 * 8, 2048)

@@ -163,6 +163,20 @@ def test_fit_smem_order():
     assert (f.gemm1.block_k, f.gemm1.num_stages, f.gemm1.block_n) == (32, 2, 128)
 
 
+def test_fit_smem_counts_the_output_tile_of_a_flattened_persistent_grid():
+    """On a flattened persistent grid the output tile goes through shared memory while the next tile's loads
+    are in flight: it adds to the stages instead of reusing them, in the output's element size."""
+    g = GemmConfig(128, 256, 64, 16, 8, 3, persistent=2)
+    stages = 3 * (128 * 64 + 64 * 256) * 2
+    assert smem_bytes(g, 2, False) == stages + 128 * 256 * 2
+    assert smem_bytes(g, 1, False, out_bytes=2) == stages // 2 + 128 * 256 * 2
+    assert smem_bytes(replace(g, persistent=0), 2, False) == stages
+    # float32 operands and output: BLOCK_K halves, then the stages drop, until it fits
+    f = fit_smem(MoEConfig(replace(g, block_n=128, interleave=True), g), 4)
+    assert smem_bytes(f.gemm2, 4, False) <= DEFAULT_SMEM and smem_bytes(f.gemm1, 4, True) <= DEFAULT_SMEM
+    assert (f.gemm2.block_k, f.gemm2.num_stages, f.gemm2.block_n) == (32, 2, 256)
+
+
 def test_compile_chunks_cover_every_candidate_once():
     """The precompile work compiles every GEMM1 and every GEMM2 candidate that fits, of every target, in about
     2 x jobs chunks, on small-E copies of the targets."""
