@@ -264,7 +264,7 @@ def heuristic_config(
         g1 = GemmConfig(128, 128, 128, 16, 8, 3)
         g2 = GemmConfig(128, 128, 128, 16, 8, 3)
     else:
-        # GEMM1's interleaved gate-up dot and both GEMMs on a flattened persistent grid: 3-15% faster per GEMM
+        # GEMM1's interleaved gate-up dot and both GEMMs on a flattened persistent grid: 2-15% faster per GEMM
         # than one program per tile with two dots at every point measured (M = 1024, 4096, 16384 of qwen3-30b-a3b,
         # mixtral-8x7b and deepseek-v2-lite; scripts/prefill_sweep.py --set rules, H200, #17)
         g1 = GemmConfig(128, 128, 64, 16, 8, 3, persistent=2, interleave=True)
