@@ -4,6 +4,7 @@ float and every fp8 mode, edge cases, and poison equality (NaN / 0x7F in every w
 bit-identical output)."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from devices import INTERPRETING, TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpre
 from fusedmoe import LocalPrepareFinalize, MoEKernel
 from fusedmoe.experts.base import ExpertsInputs
 from fusedmoe.experts.triton_experts import TritonExperts
-from fusedmoe.ops.configs import MoEConfig, pinned_config
+from fusedmoe.ops.configs import GemmConfig, MoEConfig, pinned_config
 from fusedmoe.problem import MoEProblem
 from fusedmoe.quant import QuantConfig, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
@@ -459,11 +460,15 @@ def test_gpu_fp8_with_k_below_an_fp8_dot_tile(mode, layout):
 
 
 @interpreter
-def test_y_takes_the_activation_dtype():
-    """GEMM2's weighted rows ``y`` are stored in the activation dtype (bf16 halves GEMM2's stores and the
-    reduce's reads against float32); float32 problems keep float32."""
+def test_y_dtype_follows_gemm2s_grid():
+    """GEMM2's weighted rows ``y`` are float32 (one rounding in the top-k sum), except under a flattened
+    persistent GEMM2, whose output tile must fit in shared memory: there they take the activation dtype."""
     kernel = MoEKernel(LocalPrepareFinalize(), TritonExperts())
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        p = MoEProblem(64, 2048, 768, 128, 128, 8, dtype, dtype)
-        (y,) = [s for s in kernel.plan(p).buffers if s.name == "y"]
-        assert y.dtype == dtype and tuple(y.shape) == (64 * 8, 2048)
+    g = GemmConfig(16, 32, 32, num_warps=4, num_stages=2)
+    for dtype in (torch.bfloat16, torch.float32):
+        p = MoEProblem(64, 256, 128, 8, 8, 2, dtype, dtype)
+        cases = ((g, torch.float32), (replace(g, persistent=2), dtype), (replace(g, persistent=1), torch.float32))
+        for gemm2, want in cases:
+            with pinned_config(MoEConfig(g, gemm2)):
+                (y,) = [s for s in kernel.plan(p).buffers if s.name == "y"]
+            assert y.dtype == want and tuple(y.shape) == (64 * 2, 256)

@@ -11,9 +11,9 @@ can never reuse scratch sized for another one.
 
 Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; fp8 adds one quantization launch per GEMM
 input (two for a dynamic per-tensor scale: partial maxima, then quantize). GEMM2 writes its weighted rows in
-the activation dtype, as vLLM and triton_kernels do, and the reduce sums them in float32. (A float32 ``y``
-doubles GEMM2's stores and the reduce's reads: the reduce of qwen3-30b-a3b at M=16384 took 277 us with one,
-139 us with bf16, on the H200, #17.)
+float32, so the top-k sum rounds once, to the output dtype (:func:`y_dtype`), except on a flattened persistent
+grid (the shipped tables from 1024 tokens): there they take the activation dtype, as vLLM and triton_kernels
+store them at every size.
 """
 
 from __future__ import annotations
@@ -56,6 +56,16 @@ def _smem_limit(device_index: int) -> int:
         return int(props["max_shared_mem"])
     except Exception:  # pragma: no cover - no driver (CPU interpreter)
         return configs.DEFAULT_SMEM
+
+
+def y_dtype(p: MoEProblem, config: MoEConfig) -> torch.dtype:
+    """dtype of GEMM2's weighted rows ``y``: float32, so the top-k sum rounds once (the precision vLLM's reference
+    simulates), unless GEMM2 runs on a flattened persistent grid (``persistent`` >= 2), whose output tile sits in
+    shared memory beside the next tile's loads: a float32 128x256 tile does not fit there beside 3 stages, so such
+    configs store ``y`` in the activation dtype, as vLLM and triton_kernels do at every size. (A float32 ``y`` also
+    doubles GEMM2's stores and the reduce's reads: the reduce of qwen3-30b-a3b at M=16384 took 277 us with one,
+    139 us with bf16, on the H200, #17.)"""
+    return p.dtype if config.gemm2.persistent >= 2 else torch.float32
 
 
 def operand_bytes(p: MoEProblem) -> int:
@@ -105,7 +115,8 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     if mode == "mxfp4":  # a K tile holds whole 32-element scale groups
         cfg = MoEConfig(*(replace(g, block_k=max(g.block_k, MXFP4_GROUP)) for g in (cfg.gemm1, cfg.gemm2)))
     limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
-    return fit_smem(cfg, operand_bytes(p), limit, out_bytes=p.dtype.itemsize)  # act and y: the activation dtype
+    # outputs in the activation dtype: act, and y where it matters (a flattened persistent GEMM2, see y_dtype)
+    return fit_smem(cfg, operand_bytes(p), limit, out_bytes=p.dtype.itemsize)
 
 
 def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False) -> TritonLaunch:
@@ -363,8 +374,8 @@ class TritonExperts(Experts):
     def buffers(self, p: MoEProblem, launch: TritonLaunch) -> list[BufferSpec]:
         """Scratch of one call (no zeroed region). ``act`` (GEMM1 side) is region "2"; ``y`` (GEMM2 side) "13".
 
-        ``y`` [M*k, H] (activation dtype) lives GEMM2..reduce and so shares bytes with whatever is dead by then
-        (the fp8 input copy, the unquantized ``act`` when fp8 re-quantizes it).
+        ``y`` [M*k, H] (:func:`y_dtype`) lives GEMM2..reduce and so shares bytes with whatever is dead by then (the
+        fp8 input copy, the unquantized ``act`` when fp8 re-quantizes it).
         """
         if p.M == 0:
             return []
@@ -377,7 +388,7 @@ class TritonExperts(Experts):
             BufferSpec("block_expert", (ap.max_blocks,), i32),
             BufferSpec("num_padded", (1,), i32),
             BufferSpec("act", (S, I), dt, region="2"),
-            BufferSpec("y", (S, H), dt),
+            BufferSpec("y", (S, H), y_dtype(p, L.config)),
         ]
         if not ap.fused:
             specs.append(BufferSpec("align_partial", ap.partial_shape, i32))

@@ -218,6 +218,12 @@ DECODE_ROWS = 1.0
 TUNE_DECODE_ROWS = 4
 
 
+#: From this many tokens the heuristic (like the shipped bf16 tables) runs both GEMMs on a flattened persistent
+#: grid, which stores GEMM2's rows in the activation dtype instead of float32 (``triton_experts.y_dtype``): below
+#: it, calls keep the one rounding of a float32 top-k sum.
+PERSISTENT_MIN_TOKENS = 1024
+
+
 def weight_tma(block_m: int, quant_mode: str | None) -> bool:
     """Whether tiles of ``block_m`` rows read unquantized weights through TMA descriptors by default (the heuristic's
     and the tuner's rule): from 64 rows, 1-7% faster at M >= 1024 on the H200 (#17); no gain measured for fp8, and
@@ -263,12 +269,15 @@ def heuristic_config(
     elif fp8:
         g1 = GemmConfig(128, 128, 128, 16, 8, 3)
         g2 = GemmConfig(128, 128, 128, 16, 8, 3)
-    else:
+    elif M >= PERSISTENT_MIN_TOKENS:
         # GEMM1's interleaved gate-up dot and both GEMMs on a flattened persistent grid: 2-15% faster per GEMM
         # than one program per tile with two dots at every point measured (M = 1024, 4096, 16384 of qwen3-30b-a3b,
         # mixtral-8x7b and deepseek-v2-lite; scripts/prefill_sweep.py --set rules, H200, #17)
         g1 = GemmConfig(128, 128, 64, 16, 8, 3, persistent=2, interleave=True)
         g2 = GemmConfig(128, 256, 64, 16, 8, 3, persistent=2)
+    else:
+        g1 = GemmConfig(128, 128, 64, 16, 8, 4)
+        g2 = GemmConfig(128, 256, 64, 16, 8, 4)
     if weight_tma(g1.block_m, quant_mode):
         g1, g2 = replace(g1, tma=True), replace(g2, tma=True)
     # no wider than the problem
