@@ -18,12 +18,10 @@ from dataclasses import replace
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from fusedmoe.ops.align import moe_align  # noqa: E402
 from fusedmoe.ops.configs import GemmConfig, get_config  # noqa: E402
 from fusedmoe.ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2  # noqa: E402
-from fusedmoe.ops.reduce import ReduceLaunch, moe_reduce  # noqa: E402
 from fusedmoe.tools.presets import get_preset  # noqa: E402
 
 
@@ -83,17 +81,14 @@ def variants_rules(base: GemmConfig, gated: bool) -> list[tuple[str, GemmConfig,
 
 
 VARIANTS = {"diag": variants_diag, "rules": variants_rules}
-#: (BLOCK_H, tokens per program, warps) of the reduce to time; the first is the shipped one (ops.reduce).
-REDUCE_SHAPES = [(1024, 1, 4), (1024, 4, 4), (1024, 8, 4), (2048, 1, 8), (2048, 4, 8), (4096, 1, 8), (4096, 4, 8)]
-REDUCE_SHAPES += [(512, 1, 2), (512, 4, 2)]
 
 
-def _run(label, fn, row, dev, eager, flop=None, nbytes=None):
+def _run(label, fn, row, dev, eager, flop):
     """Time ``fn`` into ``row`` (printed); a variant that fails to compile or launch is recorded with its error."""
     try:
         us = graph_time_us(fn) if dev == "cuda" and not eager else (fn(), fn(), 1.0)[2]
         row["us"] = us
-        rate = f"{flop / us / 1e6:6.1f} TFLOP/s" if flop else f"{nbytes / us / 1e6:6.2f} TB/s"
+        rate = f"{flop / us / 1e6:6.1f} TFLOP/s"
         print(f"  {row['gemm']} {label:>22}: {us:9.1f} us  {rate}   {row.get('config', '')}", flush=True)
     except Exception as exc:  # noqa: BLE001 - a variant that does not compile or launch is a result too
         row["error"] = str(exc)[:200]
@@ -102,7 +97,7 @@ def _run(label, fn, row, dev, eager, flop=None, nbytes=None):
             torch.cuda.synchronize()
 
 
-def sweep(preset: str, M: int, results: list, dev="cuda", only=None, eager=False, which="diag", reduce=False):
+def sweep(preset: str, M: int, results: list, dev="cuda", only=None, eager=False, which="diag"):
     if preset.startswith("E="):  # E=..,H=..,I=..,k=.. (a dry run on the CPU interpreter: --device cpu)
         E, H, I, k = (int(v.split("=")[1]) for v in preset.split(";"))
     else:
@@ -119,7 +114,7 @@ def sweep(preset: str, M: int, results: list, dev="cuda", only=None, eager=False
     sorted_ids, block_expert, _ = moe_align(topk_ids, E, cfg.block_m)
     nb = grid_blocks(M * k, block_expert.numel())
     act = torch.empty(max(M * k, sorted_ids.numel()), I, device=dev, dtype=dtype).normal_()
-    y = torch.empty(M * k, H, device=dev, dtype=dtype).normal_()
+    y = torch.empty(M * k, H, device=dev, dtype=dtype)
     flop1, flop2 = 2 * M * k * H * 2 * I, 2 * M * k * I * H
     print(f"== {preset} M={M}: E={E} H={H} I={I} k={k}; shipped gemm1 {cfg.gemm1}, gemm2 {cfg.gemm2}", flush=True)
     for gemm, base, flop in (("gemm1", cfg.gemm1, flop1), ("gemm2", cfg.gemm2, flop2)):
@@ -139,19 +134,6 @@ def sweep(preset: str, M: int, results: list, dev="cuda", only=None, eager=False
             row = {"preset": preset, "M": M, "gemm": gemm, "label": label, "config": g.to_dict()}
             _run(label, fn, row, dev, eager, flop=flop)
             results.append(row)
-    if reduce:
-        out = torch.empty(M, H, device=dev, dtype=dtype)
-        nbytes = (M * k + M) * H * y.element_size()
-        for shape in REDUCE_SHAPES:
-            shape = ReduceLaunch(min(shape[0], max(16, triton.next_power_of_2(H))), *shape[1:])
-            label = f"h{shape.block_h}-t{shape.tokens}-w{shape.num_warps}"
-
-            def fn(shape=shape):
-                moe_reduce(y, topk_ids, out, E, launch_shape=shape)
-
-            row = {"preset": preset, "M": M, "gemm": "reduce", "label": label, "config": shape._asdict()}
-            _run(label, fn, row, dev, eager, nbytes=nbytes)
-            results.append(row)
 
 
 def main() -> None:
@@ -162,13 +144,12 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated variant labels (default: all)")
     ap.add_argument("--eager", action="store_true", help="two plain calls per variant, untimed (for ncu)")
     ap.add_argument("--set", default="diag", choices=sorted(VARIANTS), help="which variants to time")
-    ap.add_argument("--reduce", action="store_true", help="also time the top-k reduce under REDUCE_SHAPES")
     args = ap.parse_args()
     results: list = []
     for item in args.presets.split(","):
         preset, M = item.split(":")
         only = set(args.only.split(",")) if args.only else None
-        sweep(preset, int(M), results, args.device, only, args.eager, args.set, args.reduce)
+        sweep(preset, int(M), results, args.device, only, args.eager, args.set)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"commit": os.environ.get("FUSEDMOE_COMMIT", "unknown"), "rows": results}, f, indent=1)

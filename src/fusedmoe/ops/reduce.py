@@ -7,8 +7,6 @@ written, so neither ``y`` nor ``out`` needs zeroing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +22,6 @@ def _moe_reduce(
     ids_ptr,
     map_ptr,
     out_ptr,
-    M,
     H,
     global_E,
     E,
@@ -33,39 +30,21 @@ def _moe_reduce(
     TOP_K: tl.constexpr,
     HAS_MAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    TOKENS: tl.constexpr,
 ):
-    """Program (i, h) sums the columns ``h * BLOCK_H + [0, BLOCK_H)`` of tokens ``i * TOKENS + [0, TOKENS)``."""
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs < H
-    for i in range(TOKENS):
-        t = tl.program_id(0).to(tl.int64) * TOKENS + i
-        t_ok = t < M
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
-            slot = t * TOP_K + j
-            ids = tl.load(ids_ptr + slot, mask=t_ok, other=-1)
-            local = _local_expert(ids, map_ptr, global_E, E, HAS_MAP)
-            y = tl.load(y_ptr + slot * stride_ym + offs, mask=h_ok & (local >= 0), other=0.0)
-            acc += y.to(tl.float32)
-        tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok & t_ok)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = t * TOP_K + j
+        local = _local_expert(tl.load(ids_ptr + slot), map_ptr, global_E, E, HAS_MAP)
+        y = tl.load(y_ptr + slot * stride_ym + offs, mask=h_ok & (local >= 0), other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 def reduce_block_h(H: int) -> int:
     return max(16, min(1024, next_pow2(H)))
-
-
-class ReduceLaunch(NamedTuple):
-    """Launch shape of :func:`moe_reduce`: BLOCK_H columns and TOKENS tokens per program, warps per program."""
-
-    block_h: int
-    tokens: int
-    num_warps: int
-
-
-def reduce_launch(M: int, H: int) -> ReduceLaunch:
-    """The launch of a reduce over ``M`` tokens of ``H`` columns (see :class:`ReduceLaunch`)."""
-    return ReduceLaunch(reduce_block_h(H), 1, 4)
 
 
 def moe_reduce(
@@ -76,7 +55,6 @@ def moe_reduce(
     *,
     expert_map: torch.Tensor | None = None,
     global_num_experts: int | None = None,
-    launch_shape: ReduceLaunch | None = None,
 ) -> torch.Tensor:
     """Sum the weighted slot rows of each token.
 
@@ -84,7 +62,6 @@ def moe_reduce(
         y: [M*k, H] slot-indexed rows (already multiplied by routing weights), contiguous in H.
         topk_ids: int32/int64 [M, k] contiguous. out: [M, H] (any float dtype), written in full.
         num_experts, expert_map, global_num_experts: as for :func:`fusedmoe.ops.align.moe_align`.
-        launch_shape: override of :func:`reduce_launch` (benchmarks).
     """
     M, k = topk_ids.shape
     H = out.shape[1]
@@ -98,15 +75,14 @@ def moe_reduce(
         return out
     if global_num_experts is None:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
-    shape = reduce_launch(M, H) if launch_shape is None else launch_shape
+    bh = reduce_block_h(H)
     launch(
         _moe_reduce,
-        (cdiv(M, shape.tokens), cdiv(H, shape.block_h)),
+        (M, cdiv(H, bh)),
         y,
         topk_ids,
         expert_map if expert_map is not None else topk_ids,
         out,
-        M,
         H,
         global_num_experts,
         num_experts,
@@ -114,9 +90,8 @@ def moe_reduce(
         out.stride(0),
         TOP_K=k,
         HAS_MAP=expert_map is not None,
-        BLOCK_H=shape.block_h,
-        TOKENS=shape.tokens,
-        num_warps=shape.num_warps,
+        BLOCK_H=bh,
+        num_warps=4,
     )
     return out
 
