@@ -71,9 +71,8 @@ def test_interleaved_edges(device):
         assert relative_error(out, ref) < tolerance(dtype)
         x, w1, w2, tw, ids, q, kw = _case(11, 80, 40, 4, 2, device=device, dtype=dtype)
         g = torch.Generator().manual_seed(1)
-        kw = dict(w1_bias=torch.randn(4, 80, generator=g).to(device, dtype), w2_bias=torch.randn(4, 80, generator=g))
-        kw["w2_bias"] = kw["w2_bias"].to(device, dtype)
-        out, ref = _run(x, w1, w2, tw, ids, q, kw, activation="swigluoai")
+        b1, b2 = (torch.randn(4, 80, generator=g).to(device, dtype) for _ in range(2))  # [E, 2I] and [E, H]
+        out, ref = _run(x, w1, w2, tw, ids, q, dict(w1_bias=b1, w2_bias=b2), activation="swigluoai")
         assert relative_error(out, ref) < tolerance(dtype)
 
 
