@@ -28,6 +28,24 @@ def _call(x, w1, w2, tw, ids, q, kw, emap, poison):
     return kernel(inputs, p, manager=WorkspaceManager(x.device, poison=poison))
 
 
+def _problem(seed: int, device: str):
+    """(generator, (M, H, I, E, k), dtype, x, w1, w2): a partial N tile and a K tail for the tiles of
+    :func:`_base_config`; on the GPU more tiles than SMs."""
+    g = torch.Generator().manual_seed(seed)
+    M, H, I, E, k = (13, 80, 48, 4, 2) if device == "cpu" else (700, 208, 80, 8, 2)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(M, H, generator=g).to(device, dtype)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(device, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device, dtype)
+    return g, (M, H, I, E, k), dtype, x, w1, w2
+
+
+def _base_config(device: str) -> GemmConfig:
+    """One program per tile: tiny tiles for the interpreter, Hopper-sized ones on a GPU."""
+    bn, bk = (32, 32) if device == "cpu" else (64, 64)
+    return GemmConfig(16, bn, bk, num_warps=4, num_stages=2 if device == "cpu" else 3)
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("quant", [None, "fp8_block"])
 @pytest.mark.parametrize("mode", [1, 2, 3])
@@ -37,12 +55,7 @@ def test_persistent_equals_one_program_per_tile(mode, quant, device):
     persistent GEMM2 (modes 2, 3) stores its rows in the activation dtype (``triton_experts.y_dtype``): in bf16
     the layers then differ by that rounding, so each GEMM is also compared alone, bit for bit
     (:func:`test_persistent_gemms_alone`)."""
-    g = torch.Generator().manual_seed(mode)
-    M, H, I, E, k = (13, 80, 48, 4, 2) if device == "cpu" else (700, 208, 80, 8, 2)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x = torch.randn(M, H, generator=g).to(device, dtype)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(device, dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device, dtype)
+    g, (M, H, I, E, k), dtype, x, w1, w2 = _problem(mode, device)
     ids = torch.randint(0, E + 2, (M, k), generator=g, dtype=torch.int32).to(device)
     tw = (torch.rand(M, k, generator=g) + 0.1).to(device)
     emap = torch.tensor([*range(E), -1, -1], dtype=torch.int32, device=device)
@@ -51,8 +64,7 @@ def test_persistent_equals_one_program_per_tile(mode, quant, device):
     if q is not None:
         w1, w2, s1, s2 = quantize_weights(w1, w2, q)
         kw = dict(w1_scale=s1, w2_scale=s2)
-    bn, bk = (32, 32) if device == "cpu" else (64, 64)
-    base = GemmConfig(16, bn, bk, num_warps=4, num_stages=2 if device == "cpu" else 3)
+    base = _base_config(device)
     outs = []
     for persistent in (0, mode):
         g_ = GemmConfig(**{**base.__dict__, "persistent": persistent})
@@ -70,16 +82,10 @@ def test_persistent_equals_one_program_per_tile(mode, quant, device):
 def test_persistent_gemms_alone(mode, device):
     """GEMM1 (interleaved too) and GEMM2 on a persistent grid write exactly what one program per tile writes, into
     outputs of the same dtype, with experts without tokens, a partial N tile and a K tail."""
-    g = torch.Generator().manual_seed(mode)
-    M, H, I, E, k = (13, 80, 48, 4, 2) if device == "cpu" else (700, 208, 80, 8, 2)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x = torch.randn(M, H, generator=g).to(device, dtype)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(device, dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(device, dtype)
+    g, (M, H, I, E, k), dtype, x, w1, w2 = _problem(mode, device)
     ids = torch.randint(0, E - 1, (M, k), generator=g, dtype=torch.int32).to(device)  # expert E-1: no tokens
     tw = (torch.rand(M, k, generator=g) + 0.1).to(device)
-    bn, bk = (32, 32) if device == "cpu" else (64, 64)
-    base = GemmConfig(16, bn, bk, num_warps=4, num_stages=2 if device == "cpu" else 3)
+    base = _base_config(device)
     sorted_ids, block_expert, _ = moe_align(ids, E, 16)
     nb = grid_blocks(M * k, block_expert.numel())
     for interleave in (False, True):

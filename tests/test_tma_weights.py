@@ -3,13 +3,12 @@ the hardware's rules are not met, and no replay of a launch that carries a descr
 
 import pytest
 import torch
-from devices import TRITON_DEVICES, tolerance
-from test_triton_experts import ACT_DTYPE, _case, _run
+from devices import TRITON_DEVICES
+from test_triton_experts import ACT_DTYPE, _case, check_edges, check_pin_against
 
-from fusedmoe.ops.configs import GemmConfig, MoEConfig, pinned_config
+from fusedmoe.ops.configs import GemmConfig, MoEConfig
 from fusedmoe.ops.expert_gemm import Numerics, weight_descriptor
 from fusedmoe.ops.launcher import Recorder
-from fusedmoe.reference import relative_error
 
 
 def _pins(device: str, block_m: int = 16) -> tuple[MoEConfig, MoEConfig]:
@@ -34,26 +33,14 @@ def test_tma_matches_pointer_loads_and_reference(quant, device):
     emap = torch.tensor([0, -1, 1, 2, 3, -1], dtype=torch.int32, device=device)
     plain, tma = _pins(device)
     assert weight_descriptor(case[1], tma.gemm1, Numerics(quant and case[5].mode)) is not None
-    with pinned_config(plain):
-        ref_ptr, _ = _run(*case, emap=emap)
-    with pinned_config(tma):
-        out, ref = _run(*case, emap=emap, poison=True)
-    assert torch.isfinite(out).all()
-    assert relative_error(out, ref) < tolerance(dtype, quantized=quant is not None)
-    assert relative_error(out, ref_ptr) < tolerance(dtype)
+    check_pin_against(plain, tma, case, emap=emap)
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_tma_edges(device):
     """M = 1, top_k = E, one expert with every token, and experts with none."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     _, tma = _pins(device)
-    with pinned_config(tma):
-        out, ref = _run(*_case(1, 80, 48, 4, 4, device=device, dtype=dtype))
-        assert relative_error(out, ref) < tolerance(dtype)
-        x, w1, w2, tw, ids, q, kw = _case(9, 80, 48, 8, 1, device=device, dtype=dtype)
-        out, ref = _run(x, w1, w2, tw, torch.full_like(ids, 5), q, kw)
-        assert relative_error(out, ref) < tolerance(dtype)
+    check_edges(tma, device, torch.float32 if device == "cpu" else torch.bfloat16, 80, 48)
 
 
 def test_descriptor_only_where_the_rules_hold():

@@ -95,6 +95,30 @@ def _run(
     return out, ref
 
 
+def check_pin_against(baseline: MoEConfig, candidate: MoEConfig, case, *, emap=None) -> None:
+    """The layer of ``case`` (from :func:`_case`) under the ``candidate`` pin, with poison: finite, within the
+    dtype's tolerance of the float64 reference and of the same layer under the ``baseline`` pin."""
+    dtype, quantized = case[0].dtype, case[5] is not None
+    with pinned_config(baseline):
+        want, _ = _run(*case, emap=emap)
+    with pinned_config(candidate):
+        out, ref = _run(*case, emap=emap, poison=True)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, ref) < tolerance(dtype, quantized=quantized)
+    assert relative_error(out, want) < tolerance(dtype)
+
+
+def check_edges(pin: MoEConfig, device: str, dtype: torch.dtype, H: int, I: int) -> None:
+    """Under ``pin``, against the float64 reference: M = 1 with top_k = E, and every token on one expert of 8
+    (the others without tokens)."""
+    with pinned_config(pin):
+        out, ref = _run(*_case(1, H, I, 4, 4, device=device, dtype=dtype))
+        assert relative_error(out, ref) < tolerance(dtype)
+        x, w1, w2, tw, ids, q, kw = _case(9, H, I, 8, 1, device=device, dtype=dtype)
+        out, ref = _run(x, w1, w2, tw, torch.full_like(ids, 5), q, kw)
+        assert relative_error(out, ref) < tolerance(dtype)
+
+
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize(
     "M,H,I,E,k,activation,on_input",
