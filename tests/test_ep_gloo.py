@@ -111,6 +111,46 @@ def test_ep_world4():
     _check(_spawn(4, [("standard", "torch", None, 4), ("batched", "torch", None, 5)]))
 
 
+_RELEASE_SCRIPT = """
+import os, sys, tempfile, torch
+import torch.distributed as dist
+from fusedmoe.layer import FusedMoE
+
+def gloo_threads():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:
+            pass
+    return [n for n in names if "gloo" in n]
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/init", rank=0, world_size=1)
+during = gloo_threads()
+layer = FusedMoE(4, 2, 32, 32, backend="torch", ep_group=dist.group.WORLD)
+layer(torch.randn(3, 32))
+del layer
+dist.destroy_process_group()
+print(len(during), len(gloo_threads()), "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_forward_lets_destroy_process_group_release_the_group():
+    """An expert-parallel forward leaves nothing that keeps the process group alive: after destroy_process_group
+    its gloo threads are gone (a forward that first imported torch._dynamo pinned the group through
+    torch.distributed.nn's default arguments, and gloo then aborted at exit in about one run of three)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RELEASE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    during, after, dynamo = out.stdout.split()
+    assert int(during) > 0, "the probe sees no gloo threads at all: it cannot tell a released group"
+    assert int(after) == 0, f"{after} gloo threads outlive destroy_process_group"
+    assert dynamo == "False", "a forward imported torch._dynamo"
+
+
 def test_ep_group_validation():
     from fusedmoe.prepare_finalize.all_to_all import contiguous_expert_map
 

@@ -75,6 +75,14 @@ class _PureViews(TorchDispatchMode):
         super().__init__()
         self.recorder = recorder
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Otherwise torch wraps __torch_dispatch__ in torch._disable_dynamo, whose first call imports torch._dynamo:
+        # ~0.7 s in a layer's first forward, and, after init_process_group, torch.distributed.nn's default
+        # arguments then pin the default process group for the process's life (gloo aborts at exit). Nothing
+        # compiles inside this mode.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
             self.recorder.refuse(f"torch op {func} ran inside the call")
