@@ -14,6 +14,12 @@ Persistent arenas grow only when a plan needs more than they hold, rounded up to
 :meth:`WorkspaceManager.reserve` sizes them ahead of time exactly;
 :meth:`WorkspaceManager.freeze` forbids growth (CUDA graphs bake addresses in) and turns a too-large request
 into :class:`WorkspaceFrozenError` instead of a reallocation.
+
+CUDA graphs without freezing (torch.compile's CUDA graph trees, ``mode="reduce-overhead"``): a CUDA arena is
+allocated on a short-lived thread of its own, so it never lands in the private memory pool into which graph trees
+route the allocations of the thread that runs their warm-up (torch refuses a graph that leaves untracked tensors
+in that pool); and an arena handed out while the current stream was capturing is kept, not freed, when a larger
+one replaces it, because the recorded graph replays into its addresses (until :meth:`WorkspaceManager.release`).
 """
 
 from __future__ import annotations
@@ -120,17 +126,47 @@ def make_views(plan: WorkspacePlan, arena: torch.Tensor | None, placements=None)
 
 
 class _Arena:
-    """One persistent byte buffer plus a cache of views per plan (views are rebuilt only after a growth)."""
+    """One persistent byte buffer plus a cache of views per plan (views are rebuilt only after a growth).
+    ``captured``: it was handed out while the current CUDA stream was capturing a graph."""
 
-    __slots__ = ("data", "views")
+    __slots__ = ("data", "views", "captured")
 
     def __init__(self, data: torch.Tensor):
         self.data = data
         self.views: dict[int, tuple[WorkspacePlan, dict[str, torch.Tensor]]] = {}
+        self.captured = False
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def allocate_outside_pools(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``torch.empty(nbytes, dtype=uint8)`` on ``device``'s current stream, allocated by a thread of its own.
+
+    CUDA graph trees route every allocation of the thread running their warm-up to the graph's private pool
+    (``torch._C._cuda_beginAllocateCurrentThreadToPool``) and refuse a graph after which that pool holds tensors
+    that are not outputs: a persistent arena must come from the ordinary pool. The routing is per thread, so
+    another thread's allocation on the same stream escapes it. (While a stream captures, its allocations go to
+    the capture's pool from any thread: growing under plain capture behaves as before.) Raises what
+    ``torch.empty`` raises (out of memory) in the caller's thread.
+    """
+    stream = torch.cuda.current_stream(device)
+    result: list = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                result.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        except BaseException as e:  # re-raised in the caller's thread
+            result.append(e)
+
+    thread = threading.Thread(target=run, name="fusedmoe-arena-alloc")
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def current_stream(device_index: int) -> int:
@@ -173,6 +209,8 @@ class WorkspaceManager:
         self.frozen = False
         self.stats = WorkspaceStats()
         self._arenas: dict[object, _Arena] = {}
+        # Arenas replaced by larger ones after a CUDA graph captured them: its replays still write there.
+        self._retired: list[_Arena] = []
         # Guards the arenas and the stats: threads serving distinct slots may grow arenas at the same time.
         # The hot path holds it for a few dict operations only; poisoning and zeroing run outside it.
         self._lock = threading.Lock()
@@ -268,11 +306,18 @@ class WorkspaceManager:
 
     def _replace(self, key: object, old: _Arena | None, nbytes: int) -> _Arena:
         """Swap in a larger arena. The new one is allocated first, so a failed allocation leaves the manager
-        exactly as it was (at the price of holding both arenas for a moment)."""
-        data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        exactly as it was (at the price of holding both arenas for a moment). An old arena a CUDA graph captured
+        is retired, not freed (still counted in ``reserved_bytes``)."""
+        if self.device.type == "cuda":
+            data = allocate_outside_pools(nbytes, self.device)
+        else:
+            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if old is not None:
-            self.stats.reserved_bytes -= old.nbytes
             del self._arenas[key]
+            if old.captured:
+                self._retired.append(old)
+            else:
+                self.stats.reserved_bytes -= old.nbytes
             del old
         arena = _Arena(data)
         self._arenas[key] = arena
@@ -281,11 +326,13 @@ class WorkspaceManager:
         return arena
 
     def release(self) -> None:
-        """Drop every persistent arena (e.g. before resizing a model); not allowed while frozen."""
+        """Drop every persistent arena (e.g. before resizing a model), those CUDA graphs captured included: the
+        caller drops those graphs first (their replays would write into freed memory). Not allowed while frozen."""
         with self._lock:
             if self.frozen:
                 raise WorkspaceFrozenError("release() on a frozen workspace manager")
             self._arenas.clear()
+            self._retired.clear()
             self.stats.reserved_bytes = 0
 
     # ---- serving -----------------------------------------------------------------------------------------
@@ -325,13 +372,20 @@ class WorkspaceManager:
         return ws
 
     def _held(self, key: object, nbytes: int) -> _Arena:
-        """The persistent arena of ``key``, grown to hold ``nbytes`` (call with the lock held)."""
+        """The persistent arena of ``key``, grown to hold ``nbytes``, marked when a CUDA graph is capturing the
+        call (call with the lock held)."""
         held = self._arenas.get(key)
         if held is None or held.nbytes < nbytes:
             self._check_growth(nbytes, held)  # a refused or failed growth leaves no trace
             held = self._replace(key, held, bucket_bytes(nbytes))
             self.stats.growths += 1
+        if not held.captured and self._capturing():
+            held.captured = True
         return held
+
+    def _capturing(self) -> bool:
+        """Whether the current stream of the manager's device is capturing a CUDA graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def arena_for(self, plan: WorkspacePlan, owner: object = None) -> torch.Tensor:
         """The persistent arena serving ``plan`` now (grown if needed), counted as one call, for callers that
