@@ -15,6 +15,7 @@ from fusedmoe.ops.configs import (
     GemmConfig,
     MoEConfig,
     fit_smem,
+    pick_key,
     smem_bytes,
     table_to_json,
 )
@@ -26,6 +27,9 @@ from fusedmoe.tools.tune import (
     block_m_options,
     candidates,
     describe_failures,
+    measure_switches,
+    switch_point,
+    switch_probes,
     tune_m,
 )
 
@@ -218,3 +222,135 @@ def test_merge_keeps_the_token_counts_not_retuned(tmp_path):
     assert table == {1: new[1], 8: new[8], 64: old[64], 4096: old[4096]}
     assert source == "second run; M=1,8 merged into: first run"
     assert merged_table(tmp_path / "absent.json", new, "s") == (new, "s")
+
+
+# ---- between table entries: measured switch points ----------------------------------------------------------
+def test_switch_probes_lie_strictly_between_and_ascend():
+    assert switch_probes(512, 1024) == [609, 724, 861]
+    assert switch_probes(2, 4) == [3]
+    assert switch_probes(1, 2) == []
+    for a, b in [(1, 2), (16, 24), (128, 256), (4096, 8192), (8192, 16384)]:
+        ps = switch_probes(a, b)
+        assert ps == sorted(set(ps)) and all(a < m < b for m in ps)
+
+
+@pytest.mark.parametrize(
+    "wins,want",
+    [
+        ([False, False, False], 1024),  # the lower config wins everywhere: b's config only from b
+        ([True, True, True], 609),  # b's wins everywhere measured: from the first probe
+        ([False, True, True], 724),
+        ([True, False, True], 861),  # only the trailing run of wins counts
+        ([True, True, False], 1024),
+    ],
+)
+def test_switch_point_is_where_the_upper_config_keeps_winning(wins, want):
+    assert switch_point(1024, [609, 724, 861], wins) == want
+
+
+def test_measure_switches_times_both_neighbours_at_each_probe(capsys):
+    small, big = MoEConfig.simple(64, 64, 64), MoEConfig.simple(128, 128, 64)
+    table = {256: small, 512: small, 1024: big, 2048: big}
+    timed = []
+
+    def time_at(M, cfg):
+        timed.append((M, cfg.gemm1.block_m))
+        if cfg is big and M == 609:
+            raise RuntimeError("out of resources: shared memory")
+        return M * (1.0 if cfg is small else 0.9 if M > 700 else 1.1)  # the big tile pays from ~700 tokens
+
+    switches = measure_switches(table, time_at)
+    assert switches == {1024: 724}  # pairs with equal configs need no switch
+    assert sorted(timed) == sorted((m, bm) for m in (609, 724, 861) for bm in (64, 128))
+    assert "M=609: the config of M=1024 failed" in capsys.readouterr().out
+
+
+def test_switches_round_trip_through_the_file_and_steer_the_lookup(tmp_path, monkeypatch):
+    """A written ``_switch`` decides between neighbouring entries; without one the nearer key serves."""
+    from fusedmoe.ops import configs
+
+    small, big = MoEConfig.simple(64, 64, 64), MoEConfig.simple(128, 128, 64)
+    table = {16: MoEConfig.simple(16, 64, 64), 512: small, 1024: big}
+    name = configs.config_file_name(8, 64, "X")
+
+    def lookup(M, switches):
+        (tmp_path / name).write_text(table_to_json(table, "test", switches=switches))
+        configs.clear_cache()
+        return configs.get_config(M, 8, 64, 64, 2, device="X")
+
+    monkeypatch.setenv(configs.ENV_DIR, str(tmp_path))
+    try:
+        assert lookup(899, {1024: 900}) == small and lookup(900, {1024: 900}) == big
+        assert json.loads((tmp_path / name).read_text())["_switch"] == {"1024": 900}
+        assert lookup(800, {}) == big and lookup(700, {}) == small  # nearest key, as vLLM's files are read
+        assert lookup(768, {}) == small  # a tie goes to the smaller key
+        assert lookup(5000, {1024: 900}) == big and lookup(1, {1024: 900}) == table[16]
+        # malformed switches are ignored like malformed entries (the nearer key serves, where a switch that was
+        # honoured would pick the other): outside (512, 1024], not an int
+        for bad, M in (({1024: 512}, 700), ({1024: 2000}, 899), ({1024: "900"}, 899), ({1024: True}, 700)):
+            assert lookup(M, bad) == (small if M == 700 else big), bad
+    finally:
+        monkeypatch.delenv(configs.ENV_DIR)
+        configs.clear_cache()
+
+
+def test_pick_key_edges():
+    keys = [1, 2, 4, 1024]
+    assert [pick_key(keys, {}, m) for m in (1, 3, 4, 0, 5000)] == [1, 2, 4, 1, 1024]
+    assert pick_key(keys, {1024: 5}, 5) == 1024 and pick_key(keys, {1024: 6}, 5) == 4
+    assert pick_key([64], {}, 1) == 64
+
+
+def _fake_gpu(monkeypatch):
+    """What ``fusedmoe tune``'s main needs from a GPU, faked: a call takes M x (1.1 below 700 tokens, else 0.9) µs
+    with 128-row tiles and M µs with any other (so 128-row tiles pay from ~700 tokens)."""
+    import torch
+
+    import fusedmoe.experts.triton_experts as te
+    import fusedmoe.ops.configs as configs
+    import fusedmoe.tools.bench.timing as timing
+    import fusedmoe.tools.tune as tune
+    import fusedmoe.workspace.manager as manager
+
+    class Data:
+        def __init__(self, t, seed):
+            pass
+
+        def calls(self, M, n, mgr):
+            return [M] * n
+
+    def graph_time_us(calls, **kw):
+        M, bm = calls[0], configs.source_key()[0].gemm1.block_m
+        return M * ((1.1 if M < 700 else 0.9) if bm == 128 else 1.0)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(te, "_smem_limit", lambda i: DEFAULT_SMEM)
+    monkeypatch.setattr(configs, "device_name", lambda *a: "Fake_GPU")
+    monkeypatch.setattr(manager, "WorkspaceManager", lambda *a, **k: None)
+    monkeypatch.setattr(tune, "_Data", Data)
+    monkeypatch.setattr(timing, "graph_time_us", graph_time_us)
+
+
+def test_tune_writes_measured_switch_points(tmp_path, monkeypatch, capsys):
+    """``fusedmoe tune`` (GPU faked): the search's table gets the switch points measured between its entries, and
+    ``--switches`` measures them again for a written table, replacing its earlier note."""
+    from fusedmoe.ops.configs import config_file_name
+    from fusedmoe.tools.tune import main
+
+    _fake_gpu(monkeypatch)
+    path = tmp_path / config_file_name(128, 768, "Fake_GPU")
+    assert main(["--preset", "qwen3-30b-a3b", "--m", "512,1024", "--quick", "--out", str(tmp_path)]) == 0
+    written = json.loads(path.read_text())
+    assert written["512"]["gemm1"]["BLOCK_SIZE_M"] < 128 and written["1024"]["gemm1"]["BLOCK_SIZE_M"] == 128
+    assert written["_switch"] == {"1024": 724}  # probes 609, 724, 861; 128-row tiles win from 700
+    path.write_text(table_to_json({m: MoEConfig.from_dict(written[str(m)]) for m in (512, 1024)}, "hand-made"))
+    for _ in range(2):
+        assert main(["--preset", "qwen3-30b-a3b", "--switches", "--out", str(tmp_path)]) == 0
+    again = json.loads(path.read_text())
+    assert again["_switch"] == {"1024": 724}
+    assert again["_source"] == "hand-made; switch points measured by fusedmoe tune --switches on Fake GPU"
+    assert main(["--preset", "mixtral-8x7b", "--switches", "--out", str(tmp_path)]) == 1  # no table to measure
+    assert "holds no table" in capsys.readouterr().err

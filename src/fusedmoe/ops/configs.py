@@ -1,8 +1,12 @@
 """Block-size configs of the grouped GEMMs: JSON files per (E, I, device, dtype), a heuristic, and pinning.
 
 File names follow vLLM's: ``E={E},N={I},device_name={name}[,dtype=fp8_w8a8][,block_shape=[bn,bk]].json``
-(``name`` = ``torch.cuda.get_device_name().replace(' ', '_')``), content ``{"<M>": {config}, ...}``; the entry
-whose key is nearest to M is used. Keys starting with ``_`` (e.g. ``"_source"``) are metadata.
+(``name`` = ``torch.cuda.get_device_name().replace(' ', '_')``), content ``{"<M>": {config}, ...}``. Keys starting
+with ``_`` (e.g. ``"_source"``) are metadata. Which entry serves M (:func:`pick_key`): M's own; below the first key
+or above the last, the nearest; between neighbouring keys a < b, b's entry from the token count the table's
+``"_switch"`` map records for b (``{"<b>": m}``, measured by ``fusedmoe tune``: the first of a few counts between
+a and b from which b's config stayed faster than a's), a's below it; without a recorded switch (vLLM's files,
+tables tuned before switches existed) the nearer key, the smaller one on a tie.
 
 A config is either vLLM's flat form ``{"BLOCK_SIZE_M": .., "BLOCK_SIZE_N": .., "BLOCK_SIZE_K": ..,
 "GROUP_SIZE_M": .., "num_warps": .., "num_stages": ..}`` (unknown keys ignored) or ours, ``{"gemm1": {...},
@@ -158,12 +162,59 @@ def source_key() -> tuple:
     return (_PINNED.get() or _PINNED_GLOBAL[0], os.environ.get(ENV_DIR))
 
 
+@dataclass(frozen=True)
+class ConfigTable:
+    """One config file: its entries by token count, and the measured switch points between neighbouring keys
+    (upper key -> the first token count that takes its entry; only for keys of ``entries`` with a smaller key
+    below, and a < switch <= b)."""
+
+    entries: dict[int, MoEConfig]
+    switches: dict[int, int]
+
+
+def pick_key(keys: list[int], switches: dict[int, int], M: int) -> int:
+    """The key of ``keys`` (ascending, non-empty) whose entry serves ``M`` tokens; see the module docstring."""
+    import bisect
+
+    i = bisect.bisect_left(keys, M)
+    if i < len(keys) and keys[i] == M:
+        return M
+    if i == 0:
+        return keys[0]
+    if i == len(keys):
+        return keys[-1]
+    a, b = keys[i - 1], keys[i]
+    switch = switches.get(b)
+    if switch is not None:
+        return b if M >= switch else a
+    return b if b - M < M - a else a
+
+
+def _switches(raw: object, keys: list[int]) -> dict[int, int]:
+    """The valid entries of a file's ``"_switch"`` map (malformed ones are ignored, like malformed configs)."""
+    out: dict[int, int] = {}
+    if not isinstance(raw, dict):
+        return out
+    for key, val in raw.items():
+        try:
+            b, m = int(key), val
+        except (TypeError, ValueError):
+            continue
+        if b not in keys or keys.index(b) == 0 or isinstance(m, bool) or not isinstance(m, int):
+            continue
+        if keys[keys.index(b) - 1] < m <= b:
+            out[b] = m
+    return out
+
+
 @functools.lru_cache(maxsize=256)
-def _load_file(path: str) -> dict[int, MoEConfig] | None:
+def _load_file(path: str) -> ConfigTable | None:
     try:
         with open(path) as f:
             raw = json.load(f)
     except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
         return None
     table = {}
     for key, val in raw.items():
@@ -173,7 +224,9 @@ def _load_file(path: str) -> dict[int, MoEConfig] | None:
             table[int(key)] = MoEConfig.from_dict(val)
         except (KeyError, ValueError, TypeError):
             continue
-    return table or None
+    if not table:
+        return None
+    return ConfigTable(table, _switches(raw.get("_switch"), sorted(table)))
 
 
 def load_table(
@@ -184,6 +237,19 @@ def load_table(
     block_shape: BlockShape | None = None,
     config_dir: str | None = None,
 ) -> dict[int, MoEConfig] | None:
+    """The entries of the tuned table for this shape (see :func:`find_table`)."""
+    found = find_table(E, I, device, quant_mode, block_shape, config_dir)
+    return found.entries if found is not None else None
+
+
+def find_table(
+    E: int,
+    I: int,
+    device: str,
+    quant_mode: str | None = None,
+    block_shape: BlockShape | None = None,
+    config_dir: str | None = None,
+) -> ConfigTable | None:
     """The tuned table for this shape: first match in ``config_dir`` (default $FUSEDMOE_CONFIG_DIR), then the
     packaged dir. Per-token fp8 falls back to the per-tensor (vLLM ``dtype=fp8_w8a8``) file of the folder."""
     names = [config_file_name(E, I, device, quant_mode, block_shape)]
@@ -373,7 +439,8 @@ def get_config(
     block_shape: BlockShape | None = None,
     device: str | None = None,
 ) -> MoEConfig:
-    """The config for a problem: pinned, else the nearest-M entry of a tuned file, else the heuristic."""
+    """The config for a problem: pinned, else the entry of a tuned file that serves M (:func:`pick_key`), else the
+    heuristic."""
     pinned, config_dir = source_key()
     cfg = pinned
     if cfg is None:
@@ -383,9 +450,9 @@ def get_config(
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(M, E, H, I, top_k, quant_mode, block_shape, device, config_dir) -> MoEConfig:
-    table = load_table(E, I, device, quant_mode, block_shape, config_dir or "")
-    if table:
-        return table[min(table, key=lambda k: (abs(k - M), k))]
+    table = find_table(E, I, device, quant_mode, block_shape, config_dir or "")
+    if table is not None:
+        return table.entries[pick_key(sorted(table.entries), table.switches, M)]
     return heuristic_config(M, E, H, I, top_k, quant_mode, block_shape)
 
 
@@ -394,12 +461,19 @@ def clear_cache() -> None:
     _lookup.cache_clear()
 
 
-def table_to_json(table: dict[int, MoEConfig], source: str, failures: list[dict] | None = None) -> str:
-    """A config file: ``_source`` (how it was made), ``_failures`` (candidates that did not run, if any), then
-    one entry per M."""
+def table_to_json(
+    table: dict[int, MoEConfig],
+    source: str,
+    failures: list[dict] | None = None,
+    switches: dict[int, int] | None = None,
+) -> str:
+    """A config file: ``_source`` (how it was made), ``_failures`` (candidates that did not run, if any),
+    ``_switch`` (measured switch points, if any), then one entry per M."""
     body: dict = {"_source": source}
     if failures:
         body["_failures"] = failures
+    if switches:
+        body["_switch"] = {str(b): switches[b] for b in sorted(switches)}
     body.update({str(m): table[m].to_dict() for m in sorted(table)})
     return json.dumps(body, indent=2) + "\n"
 
@@ -407,16 +481,19 @@ def table_to_json(table: dict[int, MoEConfig], source: str, failures: list[dict]
 __all__ = [
     "ENV_DIR",
     "PACKAGED_DIR",
+    "ConfigTable",
     "GemmConfig",
     "MoEConfig",
     "clear_cache",
     "config_file_name",
     "device_name",
+    "find_table",
     "fit_config",
     "fit_smem",
     "get_config",
     "heuristic_config",
     "load_table",
+    "pick_key",
     "pin_config",
     "pinned_config",
     "smem_bytes",

@@ -16,6 +16,11 @@ cache then serves the timing process), which turns a preset's minutes of serial 
 
 The result is written as ``E=..,N=..,device_name=..[,dtype=fp8_w8a8[,per_token|,block_shape=[..]]].json`` (MXFP4:
 ``,dtype=mxfp4_w4a16``) with ``gemm1``/``gemm2`` entries per M.
+
+Between neighbouring token counts a < b whose configs differ, the two configs are then timed at a few counts in
+between (:func:`switch_probes`) and the table records, under ``_switch``, from which count b's config is used
+(:func:`measure_switches`; the lookup is :func:`fusedmoe.ops.configs.pick_key`). ``--switches`` measures only
+those, for tables already written.
 """
 
 from __future__ import annotations
@@ -185,6 +190,50 @@ def tune_m(
     return best
 
 
+def switch_probes(a: int, b: int, n: int = 3) -> list[int]:
+    """Up to ``n`` token counts strictly between ``a`` and ``b``, spaced geometrically, ascending."""
+    points = {round(a * (b / a) ** (i / (n + 1))) for i in range(1, n + 1)}
+    return sorted(m for m in points if a < m < b)
+
+
+def switch_point(b: int, probes: list[int], upper_wins: list[bool]) -> int:
+    """The first probe from which the upper config (b's) won at every later probe; ``b`` when the lower config won
+    at the last probe. Below the first probe the lower config stays (nothing was measured there)."""
+    switch = b
+    for m, won in zip(reversed(probes), reversed(upper_wins)):
+        if not won:
+            break
+        switch = m
+    return switch
+
+
+def measure_switches(table: dict, time_at: Callable[[int, object], float], n: int = 3) -> dict[int, int]:
+    """Switch points of ``table`` (M -> MoEConfig): for neighbouring keys a < b with different configs, b's config
+    is timed against a's at :func:`switch_probes` (``time_at(M, cfg)`` in µs; ties go to b). A config that raises
+    at a probe loses there (printed); a probe where both raise is left out. Returns {b: first M that takes b}."""
+    keys = sorted(table)
+    switches = {}
+    for a, b in zip(keys, keys[1:]):
+        if table[a] == table[b]:
+            continue
+        probes, wins = [], []
+        for m in switch_probes(a, b, n):
+            times = []
+            for key in (a, b):
+                try:
+                    times.append(time_at(m, table[key]))
+                except Exception as err:  # noqa: BLE001 - reported; the other config wins this probe
+                    print(f"  switch probe M={m}: the config of M={key} failed: {failure_reason(err)}", flush=True)
+                    times.append(None)
+            if times == [None, None]:
+                continue
+            probes.append(m)
+            wins.append(times[0] is None or (times[1] is not None and times[1] <= times[0]))
+        if probes:
+            switches[b] = switch_point(b, probes, wins)
+    return switches
+
+
 def _tally(failures: list[Failure]) -> str:
     """'kx reason; jx other reason', most common first."""
     return "; ".join(f"{n}x {r}" for r, n in Counter(f.reason for f in failures).most_common())
@@ -214,23 +263,46 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the entries of an existing output file for the token counts not tuned now (re-tune some M only)",
     )
+    ap.add_argument(
+        "--switches",
+        action="store_true",
+        help="no search: measure the switch points between the entries of the existing output files",
+    )
     return ap
 
 
 def merged_table(path: Path, table: dict, source: str) -> tuple[dict, str]:
     """(table, source) to write at ``path``: ``table`` over the entries of the file already there (those of the
     token counts ``table`` does not hold are kept), and a source naming both runs. No file: ``table`` as is."""
-    from ..ops.configs import MoEConfig
-
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
+    existing = _read_table(path)
+    if existing is None:
         return table, source
-    kept = {int(k): MoEConfig.from_dict(v) for k, v in old.items() if not k.startswith("_") and int(k) not in table}
+    old, old_source, _ = existing
+    kept = {m: cfg for m, cfg in old.items() if m not in table}
     if not kept:
         return table, source
     ms = ",".join(str(m) for m in sorted(table))
-    return {**kept, **table}, f"{source}; M={ms} merged into: {old.get('_source', 'an untitled table')}"
+    return {**kept, **table}, f"{source}; M={ms} merged into: {old_source}"
+
+
+#: What ``--switches`` appends to a table's ``_source`` (once: a later run replaces it), before the GPU's name.
+_SWITCHES_NOTE = "; switch points measured by fusedmoe tune --switches on "
+
+
+def _read_table(path: Path) -> tuple[dict, str, list] | None:
+    """(entries, source, failures) of a written table, or None when ``path`` holds none."""
+    from ..ops.configs import MoEConfig
+
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    entries = {int(k): MoEConfig.from_dict(v) for k, v in raw.items() if not k.startswith("_")}
+    if not entries:
+        return None
+    return entries, raw.get("_source", "an untitled table"), raw.get("_failures", [])
 
 
 def _calls_per_graph(M: int, top_k: int) -> tuple[int, int]:
@@ -442,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         return None if need <= limit else f"skipped: shared memory estimate {need} B > {limit} B"
 
     targets = [Target.of(name, dtype) for name in presets for dtype in dtypes]
-    if args.jobs > 0:
+    if args.jobs > 0 and not args.switches:
         _precompile(args.jobs, compile_chunks(targets, ms, args.quick, args.seed, fits, args.jobs))
 
     out_dir = Path(args.out) if args.out else PACKAGED_DIR
@@ -450,48 +522,66 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for t in targets:
         t_start = time.time()
+        mode = t.quant.mode if t.quant else None
+        path = out_dir / config_file_name(t.E, t.I, device_name(), mode, t.block_shape)
+        print(f"== {t.preset} {t.dtype}: E={t.E} k={t.k} H={t.H} I={t.I}", flush=True)
+        if args.switches:
+            existing = _read_table(path)
+            if existing is None:
+                print(f"fusedmoe tune: {path} holds no table; nothing to measure", file=sys.stderr, flush=True)
+                status = 1
+                continue
+            table, source, failures_raw = existing
         data = _Data(t, args.seed)
         manager = WorkspaceManager(torch.device("cuda"))
-        failures: list[Failure] = []
-        table = {}
-        mode = t.quant.mode if t.quant else None
-        print(f"== {t.preset} {t.dtype}: E={t.E} k={t.k} H={t.H} I={t.I}", flush=True)
-        try:
-            for M, (bms, c1, c2) in t.search_space(ms, args.quick).items():
+        calls_at: dict[int, tuple] = {}
+
+        def time_at(M, cfg, data=data, manager=manager, calls_at=calls_at, t=t):
+            if M not in calls_at:
                 n_calls, replays = _calls_per_graph(M, t.k)
-                calls = data.calls(M, n_calls, manager)
-                base = heuristic_config(M, t.E, t.H, t.I, t.k, mode, t.block_shape)
+                calls_at[M] = (data.calls(M, n_calls, manager), replays)
+            calls, replays = calls_at[M]
+            with pinned_config(cfg):
+                return graph_time_us(calls, warmup_replays=2, replays=replays)
 
-                def time_config(cfg, calls=calls, replays=replays):
-                    with pinned_config(cfg):
-                        return graph_time_us(calls, warmup_replays=2, replays=replays)
-
-                best_t, cfg = tune_m(
-                    M,
-                    bms,
-                    c1.__getitem__,
-                    c2.__getitem__,
-                    lambda bm, base=base: replace(base.gemm2, block_m=bm),
-                    time_config,
-                    lambda g, gemm, t=t: fits(t, g, gemm),
-                    failures,
-                )
-                table[M] = cfg
-                print(f"M={M:>6}: {best_t:9.1f} us  {cfg.to_dict()}  ({time.time() - t_start:.0f}s)", flush=True)
-        except TuneError as e:
-            print(f"fusedmoe tune: {t.preset} {t.dtype}: {e}; no table written", file=sys.stderr, flush=True)
-            status = 1
-            continue
-        path = out_dir / config_file_name(t.E, t.I, device_name(), mode, t.block_shape)
-        source = (
-            f"fusedmoe tune --preset {t.preset} --dtype {t.dtype} on {torch.cuda.get_device_name()} (whole "
-            f"fused call, CUDA graph); {describe_failures(failures)}"
-        )
-        if args.merge:
-            table, source = merged_table(path, table, source)
-        path.write_text(table_to_json(table, source, failures=[vars(f) for f in failures]))
-        print(f"wrote {path} ({describe_failures(failures)}, {time.time() - t_start:.0f}s)", flush=True)
-        del data
+        if not args.switches:
+            failures: list[Failure] = []
+            table = {}
+            try:
+                for M, (bms, c1, c2) in t.search_space(ms, args.quick).items():
+                    base = heuristic_config(M, t.E, t.H, t.I, t.k, mode, t.block_shape)
+                    best_t, cfg = tune_m(
+                        M,
+                        bms,
+                        c1.__getitem__,
+                        c2.__getitem__,
+                        lambda bm, base=base: replace(base.gemm2, block_m=bm),
+                        lambda cfg, M=M: time_at(M, cfg),
+                        lambda g, gemm, t=t: fits(t, g, gemm),
+                        failures,
+                    )
+                    table[M] = cfg
+                    calls_at.pop(M, None)
+                    print(f"M={M:>6}: {best_t:9.1f} us  {cfg.to_dict()}  ({time.time() - t_start:.0f}s)", flush=True)
+            except TuneError as e:
+                print(f"fusedmoe tune: {t.preset} {t.dtype}: {e}; no table written", file=sys.stderr, flush=True)
+                status = 1
+                continue
+            source = (
+                f"fusedmoe tune --preset {t.preset} --dtype {t.dtype} on {torch.cuda.get_device_name()} (whole "
+                f"fused call, CUDA graph); {describe_failures(failures)}"
+            )
+            if args.merge:
+                table, source = merged_table(path, table, source)
+            failures_raw = [vars(f) for f in failures]
+        switches = measure_switches(table, time_at)
+        shown = ", ".join(f"{b}: from {m}" for b, m in sorted(switches.items()))
+        print(f"switch points ({time.time() - t_start:.0f}s): {shown or 'none'}", flush=True)
+        if args.switches:
+            source = source.split(_SWITCHES_NOTE)[0] + f"{_SWITCHES_NOTE}{torch.cuda.get_device_name()}"
+        path.write_text(table_to_json(table, source, failures=failures_raw, switches=switches))
+        print(f"wrote {path} ({len(switches)} switch points, {time.time() - t_start:.0f}s)", flush=True)
+        del data, calls_at
         torch.cuda.empty_cache()
     return status
 
