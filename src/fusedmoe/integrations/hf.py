@@ -106,7 +106,73 @@ def _activation_of(experts: nn.Module) -> str:
 
     if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         raise NotImplementedError("a custom gate (_apply_gate) fusedmoe does not implement")
-    return hf_activation(getattr(getattr(experts, "config", None), "hidden_act", "silu"))
+    return _module_activation(experts)
+
+
+def _module_activation(experts: nn.Module) -> str:
+    """The fusedmoe activation of what ``experts.act_fn`` computes (what transformers' gate applies), or of
+    ``config.hidden_act`` for a module without one. The module decides, not the config: Gemma-4's experts build
+    theirs from ``hidden_activation``, LFM2-MoE's are SiLU whatever ``hidden_act`` says."""
+    act_fn = getattr(experts, "act_fn", None)
+    hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
+    if act_fn is None:
+        return hf_activation("silu" if hidden_act is None else hidden_act)
+    try:
+        return act_fn_activation(act_fn)
+    except NotImplementedError:
+        if hidden_act is None:
+            raise
+        raise NotImplementedError(_no_kernel(act_fn, f" (hidden_act={hidden_act!r})")) from None
+
+
+#: transformers / torch activation types -> the fusedmoe activation computing the same function (exact types: a
+#: subclass may compute something else). Filled on first use (:func:`_act_kinds`).
+_ACT_KINDS: dict[type, str] = {}
+
+
+def _act_kinds() -> dict[type, str]:
+    if not _ACT_KINDS:
+        from transformers import activations as a
+
+        kinds = {
+            nn.SiLU: "silu",
+            "SiLUActivation": "silu",
+            "GELUTanh": "gelu",  # gelu_pytorch_tanh, gelu_python_tanh
+            "PytorchGELUTanh": "gelu",  # older transformers' name
+            "NewGELUActivation": "gelu",
+            "FastGELUActivation": "gelu",
+            "GELUActivation": "gelu_exact",  # gelu, gelu_python (erf)
+        }
+        for key, kind in kinds.items():
+            cls = getattr(a, key, None) if isinstance(key, str) else key
+            if isinstance(cls, type):
+                _ACT_KINDS[cls] = kind
+    return _ACT_KINDS
+
+
+def act_fn_activation(act_fn: object) -> str:
+    """The fusedmoe activation computing what the callable ``act_fn`` computes (a transformers ``ACT2FN`` module,
+    ``nn.SiLU`` / ``nn.GELU``, ``F.silu`` / ``F.gelu``); NotImplementedError naming it when fusedmoe has none."""
+    kind = _act_kinds().get(type(act_fn))
+    if kind is not None:
+        return kind
+    if type(act_fn) is nn.GELU:
+        return "gelu" if act_fn.approximate == "tanh" else "gelu_exact"
+    if act_fn is F.silu:
+        return "silu"
+    if act_fn is F.gelu:
+        return "gelu_exact"
+    if isinstance(act_fn, functools.partial) and act_fn.func is F.gelu and not act_fn.args:
+        if act_fn.keywords in ({}, {"approximate": "none"}):
+            return "gelu_exact"
+        if act_fn.keywords == {"approximate": "tanh"}:
+            return "gelu"
+    raise NotImplementedError(_no_kernel(act_fn))
+
+
+def _no_kernel(act_fn: object, note: str = "") -> str:
+    name = getattr(act_fn, "__name__", type(act_fn).__name__)
+    return f"the experts' activation {name}{note} has no fusedmoe kernel (SiLU and GELU have)"
 
 
 def experts_unsupported(experts: nn.Module) -> str | None:
@@ -151,10 +217,14 @@ def _warn_once(module: nn.Module, what: str, reason: str) -> None:
 
 
 def _named_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' experts modules (``@use_experts_implementation``) of ``model``, ungated ones included (their
+    ``up_proj`` takes the place of ``gate_up_proj``; fusedmoe refuses them)."""
     return [
         (n, m)
         for n, m in model.named_modules()
-        if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "is_transposed")
+        if hasattr(m, "down_proj")
+        and hasattr(m, "is_transposed")
+        and (hasattr(m, "gate_up_proj") or not getattr(m, "has_gate", True))
     ]
 
 
@@ -218,6 +288,7 @@ def register(name: str = EXPERTS_IMPLEMENTATION) -> None:
     except ImportError as err:  # pragma: no cover
         raise ImportError("fusedmoe.integrations.hf needs transformers>=5 (transformers.integrations.moe)") from err
     ExpertsInterface.register(name, fusedmoe_experts_forward)
+    _act_kinds()  # filled eagerly: a compiled forward then only reads it
     try:  # transformers' fp8 experts (FineGrainedFP8) dispatch through an interface of their own
         from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     except ImportError:  # pragma: no cover - older transformers
@@ -241,12 +312,34 @@ def _install_selection_check() -> None:
     @functools.wraps(current)
     def get_correct_experts_implementation(self, requested_experts):
         chosen = current(self, requested_experts)
-        if chosen in _REGISTERED and self._can_set_experts_implementation():
-            check_experts_implementation(self)
+        if chosen in _REGISTERED:
+            if self._can_set_experts_implementation():
+                check_experts_implementation(self)
+            elif next(self.children(), None) is not None and not _named_experts(self):
+                # built, and nothing here dispatches through the experts interface (llama4, jetmoe, dense models):
+                # transformers would accept the name and never call fusedmoe
+                raise NotImplementedError(
+                    f"{type(self).__name__} has no transformers experts module (@use_experts_implementation) for "
+                    f"experts_implementation={chosen!r} to run; patch_model serves the MoE blocks it lists "
+                    "(fusedmoe.integrations.hf.PATCHABLE_BLOCKS)"
+                )
         return chosen
 
     get_correct_experts_implementation._fusedmoe_check = True
     PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
+
+    # from_pretrained / from_config select the implementation in __init__, before the experts modules exist (only
+    # the config could be checked then): check the modules once the model is built, at the end of its __init__.
+    post_init = PreTrainedModel.post_init
+
+    @functools.wraps(post_init)
+    def checked_post_init(self, *args, **kwargs):
+        out = post_init(self, *args, **kwargs)
+        if getattr(self.config, "_experts_implementation", None) in _REGISTERED and _named_experts(self):
+            check_experts_implementation(self)
+        return out
+
+    PreTrainedModel.post_init = checked_post_init
 
 
 def attach_workspace(model: nn.Module, workspace: WorkspaceManager | None = None, backend: str = "auto"):
@@ -326,11 +419,11 @@ def _eager_experts_forward(experts: nn.Module):
 
 def _experts_verdict(experts: nn.Module, dtype: torch.dtype):
     """(activation, None) when fusedmoe computes ``experts`` for inputs of ``dtype``, else (None, reason);
-    cached per module, hidden_act and dtype."""
+    cached per module, hidden_act, act_fn and dtype."""
     if torch.compiler.is_compiling():  # traced once per compilation; the cache is eager mode's
         reason = experts_unsupported(experts) or _dtype_unsupported(dtype)
         return (None, reason) if reason is not None else (_activation_of(experts), None)
-    key = (getattr(getattr(experts, "config", None), "hidden_act", None), dtype)
+    key = (getattr(getattr(experts, "config", None), "hidden_act", None), id(getattr(experts, "act_fn", None)), dtype)
     cache = experts.__dict__.setdefault("_fusedmoe_verdicts", {})
     verdict = cache.get(key)
     if verdict is None:
@@ -425,7 +518,7 @@ def fp8_experts_unsupported(experts: nn.Module) -> str | None:
         return f"swiglu alpha={alpha}, limit={experts.swiglu_limit} differ from fusedmoe's swigluoai"
     if alpha is None:
         try:
-            hf_activation(getattr(getattr(experts, "config", None), "hidden_act", "silu"))
+            _module_activation(experts)
         except NotImplementedError as err:
             return str(err)
     return None
@@ -449,7 +542,7 @@ def fusedmoe_fp8_experts_forward(
     if self.swiglu_alpha is not None:
         activation = "swigluoai"
     else:
-        activation = hf_activation(getattr(getattr(self, "config", None), "hidden_act", "silu"))
+        activation = _module_activation(self)
     if top_k_weights.shape != top_k_index.shape:
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
     run = fused_moe_op if torch.compiler.is_compiling() else fused_moe
