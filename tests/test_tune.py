@@ -354,3 +354,15 @@ def test_tune_writes_measured_switch_points(tmp_path, monkeypatch, capsys):
     assert again["_source"] == "hand-made; switch points measured by fusedmoe tune --switches on Fake GPU"
     assert main(["--preset", "mixtral-8x7b", "--switches", "--out", str(tmp_path)]) == 1  # no table to measure
     assert "holds no table" in capsys.readouterr().err
+
+
+def test_tables_without_switches_pick_what_the_nearest_key_rule_picked():
+    """Until a table records switch points (none shipped does yet), every token count gets the entry it got before
+    switches existed: the nearest key, the smaller on a tie."""
+    from fusedmoe.ops.configs import _load_file
+
+    tables = [_load_file(str(p)) for p in sorted(PACKAGED_DIR.glob("*.json"))]
+    assert tables and all(t is not None and not t.switches for t in tables)
+    for keys in {tuple(sorted(t.entries)) for t in tables}:
+        for M in range(1, 2 * keys[-1]):
+            assert pick_key(list(keys), {}, M) == min(keys, key=lambda k: (abs(k - M), k)), (keys, M)
