@@ -329,7 +329,8 @@ def _fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(te, "_smem_limit", lambda i: DEFAULT_SMEM)
     monkeypatch.setattr(configs, "device_name", lambda *a: "Fake_GPU")
-    monkeypatch.setattr(manager, "WorkspaceManager", lambda *a, **k: None)
+    cpu_manager = manager.WorkspaceManager
+    monkeypatch.setattr(manager, "WorkspaceManager", lambda *a, **k: cpu_manager("cpu"))
     monkeypatch.setattr(tune, "_Data", Data)
     monkeypatch.setattr(timing, "graph_time_us", graph_time_us)
 

@@ -538,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def time_at(M, cfg, data=data, manager=manager, calls_at=calls_at, t=t):
             if M not in calls_at:
+                manager.release()  # the arenas the graphs timed so far captured (those graphs are gone)
                 n_calls, replays = _calls_per_graph(M, t.k)
                 calls_at[M] = (data.calls(M, n_calls, manager), replays)
             calls, replays = calls_at[M]

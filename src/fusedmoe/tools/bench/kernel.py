@@ -124,6 +124,8 @@ def main(args: argparse.Namespace) -> int:
     fp8 = bool(quantized) and quantized["quant"].fp8
     rows, results = [], []
     for M in tokens:
+        # the graphs timed at the previous M are gone: drop the arenas they captured (kept until release())
+        manager.release()
         gen = torch.Generator(device=device).manual_seed(M)
         x = torch.randn(M, shape.hidden, device=device, dtype=torch.bfloat16, generator=gen)
         logits = [
