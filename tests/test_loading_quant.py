@@ -184,3 +184,64 @@ def test_transformers_fp8_experts_run_through_fusedmoe():
     assert hf.fp8_experts_unsupported(m) is None
     m.activation_scheme = "static"
     assert "static fp8 activation scales" in hf.fp8_experts_unsupported(m)
+
+
+def test_fp8_fallback_reaches_transformers_own_forward_under_every_dispatcher():
+    """FineGrainedFP8 decorates FP8Experts once per MoE layer, each dispatcher wrapping the previous one: the fallback
+    must reach the class's own forward, not a dispatcher that calls fusedmoe again (an endless recursion)."""
+    import inspect
+
+    import fusedmoe.integrations.hf as hf
+
+    m, _, _ = _fp8_experts_module("fusedmoe")
+    _fp8_experts_module("fusedmoe")  # decorated once more, as by a second MoE layer
+    depth, fn = 0, type(m).forward
+    while hasattr(fn, "__wrapped__"):
+        depth, fn = depth + 1, fn.__wrapped__
+    assert depth >= 2
+    own = hf._eager_experts_forward(m)
+    assert own is inspect.unwrap(type(m).forward) and not hf._is_experts_dispatcher(own)
+
+
+def test_fp8_experts_clamped_without_swiglu_alpha_are_refused():
+    """FP8Experts clamps gate and up at ``swiglu_limit`` before the activation when the config has no swiglu_alpha
+    (GLM-5-Next, HY-V4, DeepSeek-V4): fusedmoe has no such gate, so it must not compute plain SiLU."""
+    import fusedmoe.integrations.hf as hf
+
+    m, _, _ = _fp8_experts_module("fusedmoe")
+    assert hf.fp8_experts_unsupported(m) is None
+    m.limit = 7.0
+    assert "swiglu_limit" in hf.fp8_experts_unsupported(m)
+
+
+def test_fp8_experts_are_checked_as_fp8_at_selection():
+    """Selecting "fusedmoe" on a model holding transformers' FP8Experts checks them as fp8 experts (what their
+    forward serves), so a loaded fp8 model can switch back to fusedmoe after "eager"."""
+    import fusedmoe.integrations.hf as hf
+
+    m, _, _ = _fp8_experts_module("eager")
+    model = torch.nn.Module()
+    model.experts = m
+    hf.check_experts_implementation(model)  # no refusal: fp8 weights are what these modules hold
+    m.limit = 7.0
+    with pytest.raises(NotImplementedError, match="swiglu_limit"):
+        hf.check_experts_implementation(model)
+
+
+def test_quantize_experts_refuses_a_model_without_experts_modules():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fusedmoe.integrations.hf_quant import quantize_experts
+
+    dense = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
+    with pytest.raises(NotImplementedError, match="no transformers experts module"):
+        quantize_experts(dense, "mxfp4")

@@ -237,10 +237,11 @@ def check_experts_implementation(model: nn.Module) -> None:
     problems, left_to_transformers = [], []
     named = _named_experts(model)
     for name, experts in named:
-        reason = experts_unsupported(experts)
+        fp8 = _is_fp8_experts(experts)  # transformers' FP8Experts: fusedmoe_fp8_experts_forward serves them
+        reason = fp8_experts_unsupported(experts) if fp8 else experts_unsupported(experts)
         if reason is not None:
             problems.append(f"{name or '<model>'} ({type(experts).__name__}): {reason}")
-        elif _dtype_unsupported(experts.gate_up_proj.dtype) is not None:
+        elif not fp8 and _dtype_unsupported(experts.gate_up_proj.dtype) is not None:
             left_to_transformers.append(_dtype_unsupported(experts.gate_up_proj.dtype))
     if left_to_transformers and not problems:
         _warn_once(
@@ -410,11 +411,23 @@ def _layer_weights(experts: nn.Module):
 
 
 def _eager_experts_forward(experts: nn.Module):
-    """The experts class's own forward (transformers' "eager" implementation)."""
-    fn = getattr(type(experts).forward, "__wrapped__", None)
-    if fn is None:  # pragma: no cover - transformers' decorator keeps it via functools.wraps
+    """The experts class's own forward (transformers' "eager" implementation), under every experts-interface
+    dispatcher transformers wrapped around it: FineGrainedFP8 decorates ``FP8Experts`` once per MoE layer it
+    replaces, each dispatcher wrapping the previous one, and one level down is a dispatcher that calls fusedmoe
+    again (an endless recursion). Other decorators on the class's forward are kept."""
+    fn = type(experts).forward
+    while getattr(fn, "__wrapped__", None) is not None and _is_experts_dispatcher(fn):
+        fn = fn.__wrapped__
+    if fn is type(experts).forward:  # pragma: no cover - transformers' decorator keeps it via functools.wraps
         raise NotImplementedError(f"{type(experts).__name__}: transformers' own forward is not reachable")
     return fn
+
+
+def _is_experts_dispatcher(fn) -> bool:
+    """Whether ``fn`` is the forward ``use_experts_implementation`` puts on an experts class (defined in
+    transformers.integrations.moe: functools.wraps copies the name, not the code)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
 
 
 def _experts_verdict(experts: nn.Module, dtype: torch.dtype):
@@ -494,6 +507,11 @@ def _run_experts(
 
 
 # ---- transformers' fp8 experts (FineGrainedFP8) -------------------------------------------------------------
+def _is_fp8_experts(experts: nn.Module) -> bool:
+    """Whether ``experts`` is transformers' block-scaled fp8 experts module (``FP8Experts``)."""
+    return hasattr(experts, "gate_up_proj_scale_inv") and hasattr(experts, "down_proj_scale_inv")
+
+
 def fp8_experts_unsupported(experts: nn.Module) -> str | None:
     """Why fusedmoe cannot compute transformers' ``FP8Experts`` module ``experts`` (block-scaled e4m3 weights with
     ``*_scale_inv``, as FineGrainedFP8 loads Qwen3-MoE-FP8 and DeepSeek-V3), or None when it can."""
@@ -516,6 +534,9 @@ def fp8_experts_unsupported(experts: nn.Module) -> str | None:
     alpha = getattr(experts, "swiglu_alpha", None)
     if alpha is not None and (alpha, experts.swiglu_limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
         return f"swiglu alpha={alpha}, limit={experts.swiglu_limit} differ from fusedmoe's swigluoai"
+    if alpha is None and getattr(experts, "limit", None) is not None:
+        # FP8Experts clamps gate and up at swiglu_limit before the activation (GLM-5-Next, HY-V4, DeepSeek-V4)
+        return f"a gate and up clamped at swiglu_limit={experts.limit} without swiglu_alpha are not supported"
     if alpha is None:
         try:
             _module_activation(experts)

@@ -111,7 +111,8 @@ def quantize_experts(model: nn.Module, quant: QuantConfig | str = "mxfp4", *, ke
     Raises (nothing is changed then):
         ValueError: an unknown mode, static activation scales (which need calibrated ``a*_scale``), or sizes the
             mode cannot hold (MXFP4: H and I multiples of 32), naming the module.
-        NotImplementedError: a patched model, or an experts module fusedmoe cannot compute (named, with why).
+        NotImplementedError: a patched model, a model without experts modules, or an experts module fusedmoe
+            cannot compute (named, with why).
         TypeError: a module already quantized, or experts that are not float32/float16/bfloat16.
     """
     q = QuantConfig.parse(quant)
@@ -123,6 +124,11 @@ def quantize_experts(model: nn.Module, quant: QuantConfig | str = "mxfp4", *, ke
             "unpatch_model first"
         )
     named = hf._named_experts(model)
+    if not named:
+        raise NotImplementedError(
+            f"quantize_experts: {type(model).__name__} has no transformers experts module "
+            "(@use_experts_implementation) to quantize"
+        )
     problems = [
         (p[0], f"{n or '<model>'} ({type(e).__name__}): {p[1]}") for n, e in named if (p := _module_problem(e, q))
     ]
