@@ -25,6 +25,7 @@ ask a float32 problem for twice the shared memory the GPU has.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import contextvars
 import functools
@@ -174,8 +175,6 @@ class ConfigTable:
 
 def pick_key(keys: list[int], switches: dict[int, int], M: int) -> int:
     """The key of ``keys`` (ascending, non-empty) whose entry serves ``M`` tokens; see the module docstring."""
-    import bisect
-
     i = bisect.bisect_left(keys, M)
     if i < len(keys) and keys[i] == M:
         return M
