@@ -133,6 +133,22 @@ def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, device="cpu"
     return model.to(device=device, dtype=dtype).eval()
 
 
+def tiny_dense_model():
+    """A tiny Llama: a transformers model without any MoE block or experts module."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
+
+
 def use_fusedmoe(model: torch.nn.Module, mode: str):
     """Switch ``model`` to fusedmoe: ``patch_model`` for mode "patch", else the registered experts
     implementation (with a workspace manager of its own); the manager whose call count shows fusedmoe ran."""

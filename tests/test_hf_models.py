@@ -179,18 +179,9 @@ def test_triton_backend_gpt_oss_block():
 
 
 def test_patch_model_errors():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tiny import tiny_dense_model
 
-    dense = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
-    )
+    dense = tiny_dense_model()
     with pytest.raises(ValueError, match="no MoE block"):
         hf.patch_model(dense)
     with pytest.raises(NotImplementedError, match="hidden_act"):

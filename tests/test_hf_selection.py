@@ -17,12 +17,14 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
+from hf_tiny import prompt, randomize_  # noqa: E402
+
 from fusedmoe.integrations import hf  # noqa: E402
 from fusedmoe.reference import activation_reference  # noqa: E402
 
 
 def _model(model_type: str, config_name: str, model_name: str, **config):
-    """A tiny model of ``model_type`` (skipped where this transformers has none), random float32 weights."""
+    """(config, model class) of a tiny ``model_type`` (skipped where this transformers has none)."""
     try:
         cfg_mod = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
         model_mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
@@ -33,21 +35,14 @@ def _model(model_type: str, config_name: str, model_name: str, **config):
     return cfg, cls
 
 
-def _randomized(cls, cfg, **kw):
+def _randomized(cls, cfg):
     torch.manual_seed(0)
-    model = cls._from_config(cfg, **kw)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.5))
-    return model.eval()
+    return randomize_(cls._from_config(cfg)).eval()
 
 
 def _logits(model):
-    ids = torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits
+        return model(input_ids=prompt(length=7), use_cache=False).logits
 
 
 # ---- the activation is the module's --------------------------------------------------------------------------

@@ -229,19 +229,9 @@ def test_fp8_experts_are_checked_as_fp8_at_selection():
 
 
 def test_quantize_experts_refuses_a_model_without_experts_modules():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_tiny import tiny_dense_model
 
     from fusedmoe.integrations.hf_quant import quantize_experts
 
-    dense = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
-    )
     with pytest.raises(NotImplementedError, match="no transformers experts module"):
-        quantize_experts(dense, "mxfp4")
+        quantize_experts(tiny_dense_model(), "mxfp4")
