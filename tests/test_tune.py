@@ -357,13 +357,23 @@ def test_tune_writes_measured_switch_points(tmp_path, monkeypatch, capsys):
     assert "holds no table" in capsys.readouterr().err
 
 
-def test_tables_without_switches_pick_what_the_nearest_key_rule_picked():
-    """Until a table records switch points (none shipped does yet), every token count gets the entry it got before
-    switches existed: the nearest key, the smaller on a tie."""
+def test_shipped_tables_record_a_switch_point_between_every_pair_of_different_entries():
+    """Each shipped table was measured by ``fusedmoe tune --switches``: every switch point it records is valid (none
+    is dropped on loading), and every pair of neighbouring keys with different configs and a token count between
+    them has one, so no lookup between entries falls back to the nearest-key rule."""
+    import json
+
     from fusedmoe.ops.configs import _load_file
 
-    tables = [_load_file(str(p)) for p in sorted(PACKAGED_DIR.glob("*.json"))]
-    assert tables and all(t is not None and not t.switches for t in tables)
-    for keys in {tuple(sorted(t.entries)) for t in tables}:
-        for M in range(1, 2 * keys[-1]):
-            assert pick_key(list(keys), {}, M) == min(keys, key=lambda k: (abs(k - M), k)), (keys, M)
+    paths = sorted(PACKAGED_DIR.glob("*.json"))
+    assert paths
+    for path in paths:
+        raw = json.loads(path.read_text())
+        table = _load_file(str(path))
+        assert table.switches == {int(b): m for b, m in raw["_switch"].items()}, path.name
+        keys = sorted(table.entries)
+        for a, b in zip(keys, keys[1:]):
+            if table.entries[a] == table.entries[b] or b - a < 2:
+                continue
+            m = table.switches[b]  # KeyError: a pair of different configs with no measured switch
+            assert pick_key(keys, table.switches, m) == b and pick_key(keys, table.switches, m - 1) == a

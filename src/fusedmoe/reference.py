@@ -73,13 +73,6 @@ def fused_moe_reference(
         global_num_experts if global_num_experts is not None else (expert_map.shape[0] if expert_map is not None else E)
     )
     x = hidden_states.to(torch.float64)
-    if quant is not None:
-        from .quant import dequantize_weight
-
-        w1f = dequantize_weight(w1, w1_scale, quant).to(torch.float64)
-        w2f = dequantize_weight(w2, w2_scale, quant).to(torch.float64)
-    else:
-        w1f, w2f = w1.to(torch.float64), w2.to(torch.float64)
     ids = topk_ids.to(torch.int64)
     valid = (ids >= 0) & (ids < global_E)
     local = ids.clamp(0, max(global_E - 1, 0))
@@ -104,7 +97,7 @@ def fused_moe_reference(
         a = x[tok]
         if apply_router_weight_on_input:
             a = a * weights[tok, slot, None]
-        gate_up = a @ w1f[e].T
+        gate_up = a @ _expert_weight(w1, w1_scale, quant, e).T
         if b1 is not None:
             gate_up = gate_up + b1[e]
         groups.append((e, tok, slot, activation_reference(gate_up, activation)))
@@ -115,13 +108,25 @@ def fused_moe_reference(
 
     out = torch.zeros(M, H, dtype=torch.float64, device=hidden_states.device)
     for e, tok, slot, h in groups:
-        y = h @ w2f[e].T
+        y = h @ _expert_weight(w2, w2_scale, quant, e).T
         if b2 is not None:
             y = y + b2[e]
         if not apply_router_weight_on_input:
             y = y * weights[tok, slot, None]
         out.index_add_(0, tok, y)
     return out
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, quant: QuantConfig | None, e: int) -> torch.Tensor:
+    """Expert ``e``'s weight [N, K] in float64, dequantized with its own scales: one expert at a time, so the
+    reference holds one expert's float64 copy, not all E (gpt-oss-120b's W1 alone would take 17 GB)."""
+    if quant is None:
+        return w[e].to(torch.float64)
+    from .quant import dequantize_weight
+
+    # every scale layout leads with the expert dimension, except a per-tensor scale shared by all experts
+    own = scale if scale.dim() == 0 or scale.shape[0] != w.shape[0] else scale[e : e + 1]
+    return dequantize_weight(w[e : e + 1], own, quant)[0].to(torch.float64)
 
 
 def _fake_quant(x: torch.Tensor, quant: QuantConfig, static_scale: torch.Tensor | None) -> torch.Tensor:
