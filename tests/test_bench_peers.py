@@ -30,7 +30,7 @@ def test_absent_peer_is_reported_with_its_reason():
     ok, why = peers.available("vllm")
     if not ok:
         assert "Error" in why
-    assert set(peers.MAKERS) == set(peers.PEERS)
+    assert set(peers.MAKERS) == set(peers.PEERS) and set(peers.QUANT_MAKERS) == set(peers.QUANT_PEERS)
 
 
 def test_check_close_is_relative_to_ours():
@@ -42,3 +42,43 @@ def test_check_close_is_relative_to_ours():
 def test_cli_takes_peers():
     args = build_parser().parse_args(["bench", "--peers", "--backends", "triton,triton_heuristic"])
     assert args.peers and args.backends == "triton,triton_heuristic"
+
+
+def test_mxfp4_layout_for_triton_kernels_holds_our_weights_interleaved_k_major():
+    """The tensors handed to triton_kernels' MXFP4 layouts decode to our weight, GEMM1's rows interleaved gate, up
+    (its SwiGLU pairs), K-major; the scale groups are padded to a multiple of 4 with zeros past K/32."""
+    from fusedmoe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    E, I, K = 2, 3, 64  # 2 scale groups per row, padded to 4
+    packed, scales = quantize_mxfp4(torch.randn(E, 2 * I, K, generator=g))
+    for interleave in (True, False):
+        values, group_scales = peers.mxfp4_for_triton_kernels(packed, scales, interleave)
+        assert values.shape == (E, K // 2, 2 * I) and group_scales.shape == (E, 4, 2 * I)
+        assert (group_scales[:, K // 32 :] == 0).all()
+        theirs = dequantize_mxfp4(values.transpose(-2, -1).contiguous(), group_scales[:, : K // 32].mT.contiguous())
+        ours = dequantize_mxfp4(packed, scales)
+        want = peers.interleave_rows(ours) if interleave else ours
+        torch.testing.assert_close(theirs, want, rtol=0, atol=0)
+    # interleaving: row 2j is gate row j, row 2j + 1 is up row j
+    rows = torch.arange(2 * I).view(1, 2 * I, 1).float()
+    assert peers.interleave_rows(rows).flatten().tolist() == [0, 3, 1, 4, 2, 5]
+
+
+def test_mxfp4_peer_runs_only_an_mxfp4_sweep():
+    """The quantized peer takes our quantized weights of its own mode only: a bf16 or fp8 sweep, or an EP slice,
+    gets no call (before anything of triton_kernels is imported)."""
+    from fusedmoe.quant import QuantConfig
+    from fusedmoe.tools.bench.kernel import Shape, _make_call
+
+    shape = Shape("t", 4, 4, 2, 64, 32, {})
+    x = w1 = w2 = torch.zeros(1)
+    fp8 = {"quant": QuantConfig.parse("fp8_block")}
+    mxfp4 = {"quant": QuantConfig.parse("mxfp4")}
+    assert _make_call("triton_kernels_mxfp4", shape, x, w1, w2, None, None, None) is None
+    assert _make_call("triton_kernels_mxfp4", shape, x, w1, w2, fp8, None, None) is None
+    assert _make_call("triton_kernels_mxfp4", shape, x, w1, w2, mxfp4, torch.arange(4), None) is None
+    assert peers.QUANT_PEERS == {"triton_kernels_mxfp4": "mxfp4"}
+    ok, why = peers.available("triton_kernels_mxfp4")
+    if not ok:  # CPU CI: triton_kernels is not installed, and the reason says so
+        assert "Error" in why

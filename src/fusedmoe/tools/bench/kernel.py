@@ -106,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"{env.get('gpu')} | torch {env['torch']} | triton {env.get('triton')} | commit {env.get('commit')}")
     if getattr(args, "peers", False):
         env["peers"] = {}
-        for name in peers.PEERS:
+        # the bf16 peers, and the peers that run this sweep's quantized weights
+        for name in (*peers.PEERS, *(n for n, mode in peers.QUANT_PEERS.items() if mode == args.dtype)):
             ok, label = peers.available(name)
             env["peers"][name] = label if ok else f"absent: {label}"
             print(f"peer {name}: {env['peers'][name]}")
@@ -173,7 +174,8 @@ def main(args: argparse.Namespace) -> int:
             if fn is None:
                 continue
             calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
-            stored = "quantized" if quantized and backend in OUR_BACKENDS else "bf16"
+            runs_quantized = backend in OUR_BACKENDS or backend in peers.QUANT_MAKERS
+            stored = "quantized" if quantized and runs_quantized else "bf16"
             floor_us, bytes_moved, bound = floors_of[stored]
             row = {"backend": backend, "M": M, "floor_us": floor_us, "bound": bound}
             try:
@@ -197,10 +199,11 @@ def main(args: argparse.Namespace) -> int:
                 results.append(row)
                 torch.cuda.synchronize()
                 continue
-            if backend in peers.MAKERS and "triton" in backends and not quantized:
-                # a peer's output against ours on the same logits: the comparison is only fair if they agree
+            if (backend in peers.MAKERS and not quantized) or backend in peers.QUANT_MAKERS:
+                # a peer's output against ours on the same logits and weights: the comparison is only fair if
+                # they agree
                 if ours is None:
-                    ours = _make_call("triton", shape, x, w1, w2, None, expert_map, manager)(logits[0])
+                    ours = _make_call("triton", shape, x, w1, w2, quantized, expert_map, manager)(logits[0])
                 row["rel_err_vs_triton"] = peers.check_close(fn(logits[0]), ours)
                 print(f"{backend} M={M}: output vs ours, max relative difference {row['rel_err_vs_triton']:.2e}")
             row["pct_floor"] = 100.0 * floor_us / row["us"]
@@ -315,6 +318,12 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
         if expert_map is not None or not peers.available(backend)[0]:
             return None
         return peers.MAKERS[backend](x, w1, w2, k, routing)
+    if backend in peers.QUANT_MAKERS:  # our quantized weights, on a peer that takes their mode
+        if not quantized or quantized["quant"].mode != peers.QUANT_PEERS[backend] or expert_map is not None:
+            return None
+        if not peers.available(backend)[0]:
+            return None
+        return peers.QUANT_MAKERS[backend](x, quantized, k, routing)
     if backend == "triton_bf16":  # our bf16 call beside a quantized sweep (the weights it was quantized from)
         return _make_call("triton", shape, x, w1, w2, None, expert_map, manager) if quantized else None
     if backend in ("triton", "triton_op", "torch"):

@@ -10,6 +10,12 @@ A peer that is not importable is reported by :func:`available` with the reason, 
   ``silu(g) * (u + 1)`` (alpha 1, no clamp here); an up-column bias of -1 makes it the standard ``silu(g) * u``,
   so its output is comparable with ours (:func:`check_close` verifies it). Installing it: docs/benchmarks.md.
 - ``grouped_mm``: ``torch._grouped_mm`` (see :mod:`.baselines`), always present on sm90 with torch >= 2.8.
+
+Quantized peers run the very weights our quantized call runs (``make(x, quantized, top_k, routing)``, listed in
+:data:`QUANT_PEERS` with the weight mode they take):
+
+- ``triton_kernels_mxfp4``: triton_kernels' w4a16 path (MXFP4 weights in its Hopper value and scale layouts, bf16
+  activations), the one transformers runs gpt-oss through; the same SwiGLU bias as the bf16 adapter.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 
 #: Peers in the order they are listed.
 PEERS = ("vllm", "triton_kernels", "grouped_mm")
+#: Peers of a quantized sweep that run our quantized weights: name -> the weight mode they take.
+QUANT_PEERS = {"triton_kernels_mxfp4": "mxfp4"}
 
 
 def _version(dist: str) -> str:
@@ -36,9 +44,14 @@ def available(name: str) -> tuple[bool, str]:
         from .baselines import grouped_mm_available
 
         return (True, f"torch {torch.__version__}") if grouped_mm_available() else (False, "needs sm90+")
-    module = {"vllm": "vllm.model_executor.layers.fused_moe", "triton_kernels": "triton_kernels.matmul_ogs"}[name]
+    modules = {
+        "vllm": ["vllm.model_executor.layers.fused_moe"],
+        "triton_kernels": ["triton_kernels.matmul_ogs"],
+        "triton_kernels_mxfp4": ["triton_kernels.matmul_ogs", "triton_kernels.tensor_details.layout"],
+    }[name]
     try:
-        importlib.import_module(module)
+        for module in modules:
+            importlib.import_module(module)
     except Exception as exc:  # any failure to import (missing, ABI mismatch) means the peer is absent here
         return False, f"{type(exc).__name__}: {exc}"[:160]
     if name == "vllm":
@@ -66,12 +79,31 @@ def triton_kernels_weights(w1: torch.Tensor, w2: torch.Tensor):
     """Our [E, 2I, H] / [E, H, I] weights in triton_kernels' layout: w1 [E, H, 2I] with gate and up columns
     interleaved (its SwiGLU pairs adjacent columns) and w2 [E, I, H] (both views of K-contiguous copies), and the
     fp32 GEMM1 bias [E, 2I] that turns its ``silu(g) * (u + 1)`` into ``silu(g) * u``."""
-    E, two_i, H = w1.shape
-    inter = two_i // 2
-    w1i = w1.view(E, 2, inter, H).transpose(1, 2).reshape(E, two_i, H)  # rows g0, u0, g1, u1, ...
-    bias = torch.zeros(E, two_i, device=w1.device, dtype=torch.float32)
+    return interleave_rows(w1).transpose(1, 2), w2.transpose(1, 2), up_bias(w1.shape[0], w1.shape[1], w1.device)
+
+
+def interleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, X] with gate rows then up rows -> rows g0, u0, g1, u1, ... (the pairs triton_kernels' SwiGLU takes)."""
+    E, two_i, X = t.shape
+    return t.view(E, 2, two_i // 2, X).transpose(1, 2).reshape(E, two_i, X)
+
+
+def up_bias(E: int, two_i: int, device) -> torch.Tensor:
+    """The fp32 GEMM1 bias [E, 2I] (interleaved columns) that turns ``silu(g) * (u + 1)`` into ``silu(g) * u``."""
+    bias = torch.zeros(E, two_i, device=device, dtype=torch.float32)
     bias[:, 1::2] = -1.0
-    return w1i.transpose(1, 2), w2.transpose(1, 2), bias
+    return bias
+
+
+def mxfp4_for_triton_kernels(packed: torch.Tensor, scales: torch.Tensor, interleave: bool):
+    """Our MXFP4 weight (:mod:`fusedmoe.mxfp4`: ``packed`` uint8 [E, N, K/2], ``scales`` uint8 [E, N, K/32]) as the
+    tensors triton_kernels' MXFP4 layouts take: rows interleaved gate, up when ``interleave`` (GEMM1), then K-major
+    views, values [E, K/2, N] and scales [E, K/32 rounded up to a multiple of 4, N] (its Hopper path reads the
+    scales of 4 groups at a time; vLLM pads them the same way; the zero groups lie past K)."""
+    if interleave:
+        packed, scales = interleave_rows(packed), interleave_rows(scales)
+    scales = torch.nn.functional.pad(scales, (0, -scales.shape[-1] % 4))
+    return packed.transpose(-2, -1), scales.transpose(-2, -1)
 
 
 def make_triton_kernels(x, w1, w2, top_k: int, routing: dict):
@@ -81,9 +113,9 @@ def make_triton_kernels(x, w1, w2, top_k: int, routing: dict):
     from triton_kernels.matmul_ogs import FnSpecs, FusedActivation, matmul_ogs
     from triton_kernels.routing import routing as tk_routing
 
-    if routing.get("num_expert_groups") or routing.get("scoring", "softmax") != "softmax":
+    sm_first = _triton_kernels_sm_first(routing)
+    if sm_first is None:
         return None
-    sm_first = not routing.get("renormalize", True)
     w1t, w2t, bias = triton_kernels_weights(w1, w2)
     act = FusedActivation(FnSpecs("swiglu", swiglu.swiglu_fn, ("alpha", "limit")), (1.0, None), 2)
 
@@ -91,6 +123,55 @@ def make_triton_kernels(x, w1, w2, top_k: int, routing: dict):
         rdata, gather, scatter = tk_routing(logits, top_k, sm_first=sm_first)
         h = matmul_ogs(x, w1t, bias, rdata, gather_indx=gather, fused_activation=act)
         return matmul_ogs(h, w2t, None, rdata, scatter_indx=scatter, gammas=rdata.gate_scal)
+
+    return call
+
+
+def _triton_kernels_sm_first(routing: dict) -> bool | None:
+    """triton_kernels' ``sm_first`` for our routing (softmax before top-k without renormalizing); None for
+    routing it does not do (grouped top-k, other scoring)."""
+    if routing.get("num_expert_groups") or routing.get("scoring", "softmax") != "softmax":
+        return None
+    return not routing.get("renormalize", True)
+
+
+def make_triton_kernels_mxfp4(x, quantized: dict, top_k: int, routing: dict):
+    """triton_kernels' ``routing`` + two w4a16 ``matmul_ogs`` calls on our MXFP4 weights (the same bits), laid out
+    as its Hopper kernels read them; None for other weight modes or routing it does not do. ``split_k`` is held
+    at 1 during each call, as vLLM holds it for MXFP4 weights on Hopper."""
+    from triton_kernels import swiglu
+    from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
+    from triton_kernels.matmul_ogs_details.opt_flags import reset_opt_flags_constraints, update_opt_flags_constraints
+    from triton_kernels.numerics import InFlexData
+    from triton_kernels.routing import routing as tk_routing
+    from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+    from triton_kernels.tensor_details import layout
+
+    sm_first = _triton_kernels_sm_first(routing)
+    if quantized["quant"].mode != "mxfp4" or sm_first is None:
+        return None
+
+    def laid_out(packed, scales, interleave):
+        values, group_scales = mxfp4_for_triton_kernels(packed, scales, interleave)
+        value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=8)
+        w = convert_layout(wrap_torch_tensor(values, dtype=FP4), value_layout, **value_opts)
+        s = convert_layout(wrap_torch_tensor(group_scales), scale_layout, **scale_opts)
+        return w, PrecisionConfig(weight_scale=s, flex_ctx=FlexCtx(rhs_data=InFlexData()))
+
+    w1, pc1 = laid_out(quantized["w1"], quantized["w1_scale"], True)
+    w2, pc2 = laid_out(quantized["w2"], quantized["w2_scale"], False)
+    bias = up_bias(quantized["w1"].shape[0], quantized["w1"].shape[1], x.device)
+    act = FusedActivation(FnSpecs("swiglu", swiglu.swiglu_fn, ("alpha", "limit")), (1.0, None), 2)
+
+    def call(logits):
+        update_opt_flags_constraints({"split_k": 1})
+        try:
+            rdata, gather, scatter = tk_routing(logits, top_k, sm_first=sm_first)
+            h = matmul_ogs(x, w1, bias, rdata, gather_indx=gather, precision_config=pc1, fused_activation=act)
+            return matmul_ogs(h, w2, None, rdata, scatter_indx=scatter, precision_config=pc2, gammas=rdata.gate_scal)
+        finally:
+            reset_opt_flags_constraints()
 
     return call
 
@@ -107,6 +188,7 @@ def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
 
 
 MAKERS = {"vllm": make_vllm, "triton_kernels": make_triton_kernels, "grouped_mm": make_grouped_mm}
+QUANT_MAKERS = {"triton_kernels_mxfp4": make_triton_kernels_mxfp4}
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor) -> float:
