@@ -380,12 +380,6 @@ ROWS: list[Row] = [
     ),
     R("fm_dynamic_with_a1_scale", lambda c: fm8(c, "fp8_token", a1_scale=torch.ones(1)), ValueError, "a1_scale"),
     R(
-        "fm_fp8_on_torch_backend",
-        lambda c: fused_moe(**fp8_args("fp8_tensor"), backend="torch", workspace=c.mgr),
-        ValueError,
-        "backend",
-    ),
-    R(
         "fm_triton_bf16_in_interpreter",
         lambda c: fm(c, **{k: v.bfloat16() for k, v in c.args.items() if v.is_floating_point()}, backend="triton"),
         ValueError,

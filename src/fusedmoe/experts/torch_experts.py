@@ -11,9 +11,13 @@ Algorithm (standard layout), every buffer from the plan, one step each:
 
 Precision: the rounding points of the Triton kernels (and of vLLM's reference): GEMMs accumulate in float32,
 the activation is computed in float32 and rounded once to the input dtype (GEMM2's operand), the expert outputs,
-their weights and the top-k sum stay float32, and the output is rounded once. 16-bit weights are converted to
-float32 in row chunks of ``W_CHUNK`` rows through one planned staging buffer, so no float32 copy of a whole
-expert ever exists. This backend is not CUDA-graph capturable (step 1
+their weights and the top-k sum stay float32, and the output is rounded once. 16-bit, fp8 and MXFP4 weights are
+converted (dequantized with their scales) to float32 in row chunks of ``W_CHUNK`` rows through one planned
+staging buffer, so no float32 copy of a whole expert ever exists. fp8 (w8a8) is emulated: each GEMM's input goes
+through the e4m3 rounding the Triton kernels apply (:func:`fusedmoe.quant.fake_quantize_activation`, scales
+over the same rows: every token for GEMM1, every local slot row for GEMM2), then the float32 GEMM runs on the
+dequantized operands; the Triton kernels' weight-only decode tiles, which skip the activation rounding, are not
+modelled. This backend is not CUDA-graph capturable (step 1
 reads the segment offsets on the host); the Triton backend is.
 """
 
@@ -23,6 +27,7 @@ import torch
 
 from ..mxfp4 import dequantize_mxfp4
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Layout, MoEProblem
+from ..quant import FP8_DTYPE, QuantConfig, fake_quantize_activation
 from ..steps import step
 from ..workspace.plan import BufferSpec
 from .base import Experts
@@ -86,38 +91,58 @@ def _linear(
     out: torch.Tensor,
     stage: torch.Tensor | None,
     w_scale: torch.Tensor | None = None,
+    quant: QuantConfig | None = None,
 ) -> None:
-    """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype, or MXFP4
-    bytes [N, K/2] with their e8m0 ``w_scale`` [N, K/32]).
+    """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype, e4m3 with
+    this expert's scales ``w_scale`` under an fp8 ``quant``, or MXFP4 bytes [N, K/2] with their e8m0 ``w_scale``
+    [N, K/32]).
 
-    A float32 ``w`` is used as it is; otherwise its rows are converted (MXFP4: decoded) ``W_CHUNK`` at a time
-    into ``stage``.
+    A float32 ``w`` is used as it is; otherwise its rows are converted (fp8: dequantized; MXFP4: decoded)
+    ``W_CHUNK`` at a time into ``stage``.
     """
-    if w_scale is not None:
-        N, K = w.shape[0], 2 * w.shape[1]
-        for n0 in range(0, N, W_CHUNK):
-            n1 = min(n0 + W_CHUNK, N)
-            wf = stage[: (n1 - n0) * K].view(n1 - n0, K)
-            wf.copy_(dequantize_mxfp4(w[n0:n1], w_scale[n0:n1]))
-            torch.mm(a, wf.t(), out=out[:, n0:n1])
-            if bias is not None:
-                out[:, n0:n1] += bias[n0:n1].float()
-        return
     if w.dtype == torch.float32:
         if bias is None:
             torch.mm(a, w.t(), out=out)
         else:
             torch.addmm(bias.float(), a, w.t(), out=out)
         return
-    N, K = w.shape
+    mxfp4 = quant is not None and quant.mode == "mxfp4"
+    N, K = w.shape[0], 2 * w.shape[1] if mxfp4 else w.shape[1]
     for n0 in range(0, N, W_CHUNK):
         n1 = min(n0 + W_CHUNK, N)
         wf = stage[: (n1 - n0) * K].view(n1 - n0, K)
-        wf.copy_(w[n0:n1])
+        if mxfp4:
+            wf.copy_(dequantize_mxfp4(w[n0:n1], w_scale[n0:n1]))
+        else:
+            wf.copy_(w[n0:n1])
+            if quant is not None:
+                wf.mul_(_fp8_row_scales(w_scale, quant, n0, n1, K))
         if bias is None:
             torch.mm(a, wf.t(), out=out[:, n0:n1])
         else:
             torch.addmm(bias[n0:n1].float(), a, wf.t(), out=out[:, n0:n1])
+
+
+def _fp8_row_scales(w_scale: torch.Tensor, quant: QuantConfig, n0: int, n1: int, K: int) -> torch.Tensor:
+    """The float32 scales of rows ``n0:n1`` of one expert's e4m3 weight [N, K], broadcastable to [n1 - n0, K]:
+    fp8_tensor's one scale, fp8_token's per-row scales [N], or fp8_block's [cdiv(N, bn), cdiv(K, bk)] tiles."""
+    s = w_scale.float()
+    if quant.mode == "fp8_tensor":
+        return s.reshape(())
+    if quant.mode == "fp8_token":
+        return s.reshape(-1)[n0:n1, None]
+    bn, bk = quant.block_shape
+    rows = s[torch.arange(n0, n1, device=s.device) // bn]  # [n1 - n0, cdiv(K, bk)]
+    return rows.repeat_interleave(bk, dim=1)[:, :K]
+
+
+def _fp8_round_(c, rows: torch.Tensor, static_scale: torch.Tensor | None) -> None:
+    """Round ``rows`` (float32 [n, K], in place) through e4m3 as the Triton kernels quantize a GEMM's input under
+    the problem's fp8 mode (the caller's static per-tensor scale when the mode takes one); no-op otherwise."""
+    q = c.p.quant
+    if q is None or not q.fp8 or rows.shape[0] == 0:
+        return
+    rows.copy_(fake_quantize_activation(rows, q, scale=static_scale if q.static_activation_scale else None))
 
 
 @step
@@ -139,13 +164,15 @@ def _gather(c, order, token_of, w_sorted, a_sorted, a_rows=None):
     else:
         torch.index_select(x.hidden_states, 0, token_of, out=a_rows)
         a_sorted.copy_(a_rows)
+    # fp8: every token is gathered (top_k times), so a per-tensor scale over these rows is the kernels' over x
+    _fp8_round_(c, a_sorted, x.a1_scale)
     if c.p.apply_router_weight_on_input:
         a_sorted.mul_(w_sorted[:, None])
 
 
-def _mx_scale(c, w_scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    """Expert ``e``'s e8m0 scales when the weights are MXFP4, else None."""
-    return w_scale[e] if c.p.quant is not None and c.p.quant.mode == "mxfp4" else None
+def _expert_scale(c, w_scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    """Expert ``e``'s weight scales when the weights are quantized, else None."""
+    return w_scale[e] if c.p.quant is not None else None
 
 
 @step
@@ -155,7 +182,8 @@ def _gemm1(c, a_sorted, gate_up, w_stage=None):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             b1 = x.w1_bias[e] if x.w1_bias is not None else None
-            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage, _mx_scale(c, x.w1_scale, e))
+            w_scale = _expert_scale(c, x.w1_scale, e)
+            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage, w_scale, c.p.quant)
 
 
 @step
@@ -165,6 +193,7 @@ def _activate(c, gate_up, act, act_rounded=None):
     if act_rounded is not None:  # GEMM2 reads the activation in the input dtype, as the Triton kernels do
         act_rounded[:n].copy_(act[:n])
         act[:n].copy_(act_rounded[:n])
+    _fp8_round_(c, act[:n], c.x.a2_scale)  # fp8: over the local slot rows, as the kernels quantize GEMM2's input
 
 
 @step
@@ -174,7 +203,8 @@ def _gemm2(c, act, y_sorted, w_sorted, w_stage=None):
         lo, hi = offsets[e], offsets[e + 1]
         if hi > lo:
             b2 = x.w2_bias[e] if x.w2_bias is not None else None
-            _linear(act[lo:hi], x.w2[e], b2, y_sorted[lo:hi], w_stage, _mx_scale(c, x.w2_scale, e))
+            w_scale = _expert_scale(c, x.w2_scale, e)
+            _linear(act[lo:hi], x.w2[e], b2, y_sorted[lo:hi], w_stage, w_scale, c.p.quant)
     n = offsets[p.E]
     if not p.apply_router_weight_on_input:
         y_sorted[:n].mul_(w_sorted[:n, None])
@@ -192,15 +222,15 @@ def _reduce(c, order, y_sorted, y_slot, y_sum=None):
 
 
 class TorchExperts(Experts):
-    """Reference-grade experts in torch (bf16/fp16/fp32 activations, float32 math; MXFP4 weights decoded in row
-    chunks; no fp8)."""
+    """Reference-grade experts in torch (bf16/fp16/fp32 activations, float32 math; fp8 and MXFP4 weights
+    dequantized in row chunks, fp8 activations emulated by e4m3 rounding)."""
 
     name = "torch"
     layout = Layout.STANDARD
 
     def supports(self, p: MoEProblem) -> str | None:
-        if p.quant is not None and p.quant.fp8:
-            return "the torch experts do not implement fp8 quantization; use backend='triton'"
+        if p.dtype == FP8_DTYPE:
+            return "the torch experts take float hidden_states (not quantized by prepare); use backend='triton'"
         return None
 
     def buffers(self, p: MoEProblem, launch=None) -> list[BufferSpec]:
