@@ -235,12 +235,13 @@ def main(args: argparse.Namespace) -> int:
         f"{shape.name} {args.dtype}: routing + fused call, us per call (CUDA graph of {CALLS_PER_GRAPH}; "
         "* = not capturable, timed eagerly)"
     )
-    report.print_table(
-        title,
-        ["backend", "M", "us", "eager us", "host us", "floor us", "% floor", "TB/s", "TFLOP/s"]
-        + [f"x vs {b}" for b in backends],
-        rows,
-    )
+    if not args.profile:  # a profile run times nothing: its per-kernel tables are printed above
+        report.print_table(
+            title,
+            ["backend", "M", "us", "eager us", "host us", "floor us", "% floor", "TB/s", "TFLOP/s"]
+            + [f"x vs {b}" for b in backends],
+            rows,
+        )
     payload = {
         "env": env,
         "ceilings": ceil.as_dict(),
