@@ -15,6 +15,15 @@ from fusedmoe.reference import relative_error  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: the models' forward code objects are shared by every test here, and their
+    compiled variants would add up to dynamo's recompile limit (8) across tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(ids, use_cache=False).logits
@@ -49,7 +58,8 @@ def test_compile_fullgraph_aot_eager(arch, mode):
     assert manager.stats.calls > 0
 
 
-def test_compiled_model_follows_quantize_experts():
+@pytest.mark.parametrize("quant", ["mxfp4", "fp8_block"])
+def test_compiled_model_follows_quantize_experts(quant):
     """A model compiled with fusedmoe's float experts recompiles when quantize_experts switches them (its own
     implementation name is guarded), even with the float weights kept; and again after dequantize_experts."""
     from fusedmoe.integrations.hf_quant import dequantize_experts, quantize_experts
@@ -61,7 +71,7 @@ def test_compiled_model_follows_quantize_experts():
     hf.attach_workspace(model, backend="torch")
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     floats = _logits(compiled, ids)
-    quantize_experts(model, "mxfp4", keep_float_weights=True)  # no parameter, workspace or backend changes
+    quantize_experts(model, quant, keep_float_weights=True)  # no parameter, workspace or backend changes
     quantized = _logits(compiled, ids)
     eager = _logits(model, ids)
     assert relative_error(quantized, eager) < 1e-5 and relative_error(quantized, floats) > 1e-3
