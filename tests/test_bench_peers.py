@@ -82,3 +82,27 @@ def test_mxfp4_peer_runs_only_an_mxfp4_sweep():
     ok, why = peers.available("triton_kernels_mxfp4")
     if not ok:  # CPU CI: triton_kernels is not installed, and the reason says so
         assert "Error" in why
+
+
+def test_triton_kernels_routing_covers_the_presets_it_can_compute():
+    """gpt-oss's top-k-then-softmax and renormalized softmax are its default (sm_first False), softmax without
+    renormalizing its sm_first; grouped, sigmoid or scaled routing get no peer call (None), as do presets using
+    them. A random check: its two orders give our routing's weights."""
+    from fusedmoe.routing import route
+    from fusedmoe.tools.presets import PRESETS
+
+    sm_first = peers._triton_kernels_sm_first
+    assert sm_first(PRESETS["gpt-oss-20b"].routing) is False and sm_first(PRESETS["gpt-oss-120b"].routing) is False
+    assert sm_first(PRESETS["qwen3-30b-a3b"].routing) is False and sm_first(PRESETS["mixtral-8x7b"].routing) is False
+    assert sm_first({"scoring": "softmax", "renormalize": False}) is True
+    assert sm_first(PRESETS["deepseek-v3"].routing) is None
+    assert sm_first({"scoring": "softmax", "routed_scaling_factor": 2.5}) is None
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    for routing, first in (({"scoring": "softmax_topk"}, False), ({"scoring": "softmax", "renormalize": False}, True)):
+        w, ids = route(logits, 4, **routing)
+        if first:  # softmax over all experts, then the top 4
+            want = torch.softmax(logits, -1).gather(1, ids.long())
+        else:  # the top 4 logits, then softmax over them
+            want = torch.softmax(logits.gather(1, ids.long()), -1)
+        torch.testing.assert_close(w, want)
+        assert torch.equal(ids.long().sort(1).values, logits.topk(4).indices.sort(1).values)

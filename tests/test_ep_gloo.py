@@ -102,6 +102,8 @@ def test_ep_world2():
         configs += [("standard", "triton", None, 2), ("batched", "triton", None, 3)]
         # quantized experts: MXFP4 (float activations on the wire) and fp8 (e4m3 rows and scales on the wire)
         configs += [("batched", "triton", None, 6, "mxfp4"), ("standard", "triton", None, 7, "fp8_token")]
+        # the torch experts on the fp8 rows prepare sends (its quantization is a Triton kernel: interpreter only)
+        configs += [("standard", "torch", None, 9, "fp8_token"), ("standard", "torch", None, 10, "fp8_block")]
     configs += [("standard", "torch", None, 8, "mxfp4")]
     _check(_spawn(2, configs))
 

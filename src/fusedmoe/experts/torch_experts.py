@@ -11,14 +11,19 @@ Algorithm (standard layout), every buffer from the plan, one step each:
 
 Precision: the rounding points of the Triton kernels (and of vLLM's reference): GEMMs accumulate in float32,
 the activation is computed in float32 and rounded once to the input dtype (GEMM2's operand), the expert outputs,
-their weights and the top-k sum stay float32, and the output is rounded once. 16-bit, fp8 and MXFP4 weights are
-converted (dequantized with their scales) to float32 in row chunks of ``W_CHUNK`` rows through one planned
-staging buffer, so no float32 copy of a whole expert ever exists. fp8 (w8a8) is emulated: each GEMM's input goes
-through the e4m3 rounding the Triton kernels apply (:func:`fusedmoe.quant.fake_quantize_activation`, scales
-over the same rows: every token for GEMM1, every local slot row for GEMM2), then the float32 GEMM runs on the
-dequantized operands; the Triton kernels' weight-only decode tiles, which skip the activation rounding, are not
-modelled. This backend is not CUDA-graph capturable (step 1
-reads the segment offsets on the host); the Triton backend is.
+their weights and the top-k sum stay float32, and the output is rounded once.
+
+Weights: 16-bit, fp8 and MXFP4 weights are converted (dequantized with their scales) to float32 in row chunks of
+``W_CHUNK`` rows through one planned staging buffer, so no float32 copy of a whole expert ever exists (an MXFP4
+chunk's decode, and fp8 block scales whose width does not divide K, take a chunk-sized temporary).
+
+fp8 (w8a8) is emulated: each GEMM's input goes through the e4m3 rounding the Triton kernels apply
+(:func:`fusedmoe.quant.fake_quantize_activation`, with temporaries of the rows it rounds; scales over the same
+rows: every token for GEMM1, every local slot row for GEMM2), then the float32 GEMM runs on the dequantized
+operands. Rows that arrive in e4m3 (expert parallelism's prepare) are dequantized with their ``a1_scale``, not
+rounded again. Not modelled: the Triton kernels' weight-only decode tiles, which skip the activation rounding.
+
+This backend is not CUDA-graph capturable (step 1 reads the segment offsets on the host); the Triton backend is.
 """
 
 from __future__ import annotations
@@ -116,24 +121,29 @@ def _linear(
         else:
             wf.copy_(w[n0:n1])
             if quant is not None:
-                wf.mul_(_fp8_row_scales(w_scale, quant, n0, n1, K))
+                _scale_fp8_rows_(wf, w_scale, quant, n0)
         if bias is None:
             torch.mm(a, wf.t(), out=out[:, n0:n1])
         else:
             torch.addmm(bias[n0:n1].float(), a, wf.t(), out=out[:, n0:n1])
 
 
-def _fp8_row_scales(w_scale: torch.Tensor, quant: QuantConfig, n0: int, n1: int, K: int) -> torch.Tensor:
-    """The float32 scales of rows ``n0:n1`` of one expert's e4m3 weight [N, K], broadcastable to [n1 - n0, K]:
+def _scale_fp8_rows_(wf: torch.Tensor, w_scale: torch.Tensor, quant: QuantConfig, n0: int) -> None:
+    """Multiply ``wf`` (float32 [n, K]: rows ``n0:n0 + n`` of one expert's e4m3 weight) in place by their scales:
     fp8_tensor's one scale, fp8_token's per-row scales [N], or fp8_block's [cdiv(N, bn), cdiv(K, bk)] tiles."""
+    n, K = wf.shape
     s = w_scale.float()
     if quant.mode == "fp8_tensor":
-        return s.reshape(())
-    if quant.mode == "fp8_token":
-        return s.reshape(-1)[n0:n1, None]
-    bn, bk = quant.block_shape
-    rows = s[torch.arange(n0, n1, device=s.device) // bn]  # [n1 - n0, cdiv(K, bk)]
-    return rows.repeat_interleave(bk, dim=1)[:, :K]
+        wf.mul_(s.reshape(()))
+    elif quant.mode == "fp8_token":
+        wf.mul_(s.reshape(-1)[n0 : n0 + n, None])
+    else:
+        bn, bk = quant.block_shape
+        tiles = s[torch.arange(n0, n0 + n, device=s.device) // bn]  # [n, cdiv(K, bk)]: each row's block scales
+        if K % bk == 0:  # whole blocks: broadcast over each block's columns, no [n, K] copy of the scales
+            wf.view(n, K // bk, bk).mul_(tiles[:, :, None])
+        else:
+            wf.mul_(tiles.repeat_interleave(bk, dim=1)[:, :K])
 
 
 def _fp8_round_(c, rows: torch.Tensor, static_scale: torch.Tensor | None) -> None:
@@ -159,15 +169,35 @@ def _gather(c, order, token_of, w_sorted, a_sorted, a_rows=None):
     x = c.x
     torch.div(order, c.p.top_k, rounding_mode="floor", out=token_of)
     torch.index_select(x.topk_weights.reshape(-1).to(torch.float32), 0, order, out=w_sorted)
-    if a_rows is None:  # float32 inputs: gather straight into the float32 buffer
-        torch.index_select(x.hidden_states, 0, token_of, out=a_sorted)
+    if x.hidden_states.dtype == FP8_DTYPE:  # rows prepare quantized (expert parallelism): already e4m3
+        _dequantized_rows(c, token_of, a_sorted)
     else:
-        torch.index_select(x.hidden_states, 0, token_of, out=a_rows)
-        a_sorted.copy_(a_rows)
-    # fp8: every token is gathered (top_k times), so a per-tensor scale over these rows is the kernels' over x
-    _fp8_round_(c, a_sorted, x.a1_scale)
+        if a_rows is None:  # float32 inputs: gather straight into the float32 buffer
+            torch.index_select(x.hidden_states, 0, token_of, out=a_sorted)
+        else:
+            torch.index_select(x.hidden_states, 0, token_of, out=a_rows)
+            a_sorted.copy_(a_rows)
+        # fp8: every token is gathered (top_k times), so a per-tensor scale over these rows is the kernels' over x
+        _fp8_round_(c, a_sorted, x.a1_scale)
     if c.p.apply_router_weight_on_input:
         a_sorted.mul_(w_sorted[:, None])
+
+
+def _dequantized_rows(c, token_of: torch.Tensor, out: torch.Tensor) -> None:
+    """Rows ``token_of`` of e4m3 ``hidden_states`` (quantized by prepare, scales in ``a1_scale``: [1] per tensor,
+    [rows, 1] per token, [rows, cdiv(H, bk)] per block) dequantized into ``out`` (float32)."""
+    x, q = c.x, c.p.quant
+    if x.a1_scale is None:
+        raise ValueError("fp8 hidden_states need a1_scale")
+    out.copy_(x.hidden_states.index_select(0, token_of))
+    scale = x.a1_scale.float()
+    if q.mode == "fp8_tensor":
+        out.mul_(scale.reshape(()))
+    elif q.mode == "fp8_token":
+        out.mul_(scale.reshape(-1).index_select(0, token_of)[:, None])
+    else:
+        rows = scale.index_select(0, token_of)
+        out.mul_(rows.repeat_interleave(q.block_shape[1], dim=1)[:, : out.shape[1]])
 
 
 def _expert_scale(c, w_scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
@@ -227,11 +257,6 @@ class TorchExperts(Experts):
 
     name = "torch"
     layout = Layout.STANDARD
-
-    def supports(self, p: MoEProblem) -> str | None:
-        if p.dtype == FP8_DTYPE:
-            return "the torch experts take float hidden_states (not quantized by prepare); use backend='triton'"
-        return None
 
     def buffers(self, p: MoEProblem, launch=None) -> list[BufferSpec]:
         if p.M == 0:

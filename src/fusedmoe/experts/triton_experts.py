@@ -12,7 +12,7 @@ can never reuse scratch sized for another one.
 Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; fp8 adds one quantization launch per GEMM
 input (two for a dynamic per-tensor scale: partial maxima, then quantize). GEMM2 writes its weighted rows in
 float32, so the top-k sum rounds once, to the output dtype (:func:`y_dtype`), except on a flattened persistent
-grid (the shipped bf16 tables' entries from 1024 tokens, which the nearest-key lookup serves from 769): there
+grid (the shipped bf16 tables' entries from 1024 tokens, which their switch points serve from 724-1024): there
 they take the activation dtype, as vLLM and triton_kernels store them at every size.
 """
 

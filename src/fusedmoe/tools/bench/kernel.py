@@ -124,6 +124,7 @@ def main(args: argparse.Namespace) -> int:
     weight_bytes = _weight_bytes(quantized)
     fp8 = bool(quantized) and quantized["quant"].fp8
     rows, results = [], []
+    skipped: set[str] = set()  # peers that gave no call (said once)
     for M in tokens:
         # the graphs timed at the previous M are gone: drop the arenas they captured (kept until release())
         manager.release()
@@ -172,6 +173,12 @@ def main(args: argparse.Namespace) -> int:
                 backend, shape, x, w1, w2, quantized, expert_map, manager, getattr(args, "configs_before", None)
             )
             if fn is None:
+                if (backend in peers.MAKERS or backend in peers.QUANT_MAKERS) and backend not in skipped:
+                    skipped.add(backend)  # said once: a peer asked for must not vanish from the table unexplained
+                    print(
+                        f"peer {backend}: not run on {shape.name} {args.dtype} (absent, or its routing "
+                        f"{shape.routing or 'softmax'}, weights or expert map are not the peer's)"
+                    )
                 continue
             calls = [(lambda lg=lg, fn=fn: fn(lg)) for lg in logits]
             runs_quantized = backend in OUR_BACKENDS or backend in peers.QUANT_MAKERS

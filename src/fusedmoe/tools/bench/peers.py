@@ -99,7 +99,7 @@ def mxfp4_for_triton_kernels(packed: torch.Tensor, scales: torch.Tensor, interle
     """Our MXFP4 weight (:mod:`fusedmoe.mxfp4`: ``packed`` uint8 [E, N, K/2], ``scales`` uint8 [E, N, K/32]) as the
     tensors triton_kernels' MXFP4 layouts take: rows interleaved gate, up when ``interleave`` (GEMM1), then K-major
     views, values [E, K/2, N] and scales [E, K/32 rounded up to a multiple of 4, N] (its Hopper path reads the
-    scales of 4 groups at a time; vLLM pads them the same way; the zero groups lie past K)."""
+    scales of 4 groups at a time; vLLM 0.34.0 pads them the same way; the zero groups lie past K)."""
     if interleave:
         packed, scales = interleave_rows(packed), interleave_rows(scales)
     scales = torch.nn.functional.pad(scales, (0, -scales.shape[-1] % 4))
@@ -128,11 +128,18 @@ def make_triton_kernels(x, w1, w2, top_k: int, routing: dict):
 
 
 def _triton_kernels_sm_first(routing: dict) -> bool | None:
-    """triton_kernels' ``sm_first`` for our routing (softmax before top-k without renormalizing); None for
-    routing it does not do (grouped top-k, other scoring)."""
-    if routing.get("num_expert_groups") or routing.get("scoring", "softmax") != "softmax":
+    """triton_kernels' ``sm_first`` for our routing, or None for routing it does not do (grouped top-k, sigmoid
+    scoring, a routed scaling factor). Its default (False) is top-k of the logits, then softmax over those k: our
+    "softmax_topk" (gpt-oss), and "softmax" renormalized over the top k; True is softmax over all experts, then
+    top-k without renormalizing."""
+    if routing.get("num_expert_groups") or routing.get("routed_scaling_factor", 1.0) != 1.0:
         return None
-    return not routing.get("renormalize", True)
+    scoring = routing.get("scoring", "softmax")
+    if scoring == "softmax_topk":
+        return False
+    if scoring == "softmax":
+        return not routing.get("renormalize", True)
+    return None
 
 
 def make_triton_kernels_mxfp4(x, quantized: dict, top_k: int, routing: dict):
