@@ -126,13 +126,12 @@ def test_torch_fp8_takes_rows_quantized_by_prepare(mode):
     float rows they came from: dequantized, not rounded again."""
     from fusedmoe import LocalPrepareFinalize, MoEKernel
     from fusedmoe.experts.base import ExpertsInputs
-    from fusedmoe.quant import activation_scales
+    from fusedmoe.quant import activation_scales, per_element_scales
 
     (x, w1q, w2q, tw, ids), kw = _call(mode, M=7, E=4, k=2)
     q = kw["quant"]
     a1 = activation_scales(x, q, kw.get("a1_scale"))
-    wide = a1.repeat_interleave(q.block_shape[1], dim=1)[:, :H] if q.mode == "fp8_block" else a1
-    xq = (x / wide).clamp(-448, 448).to(FP8_DTYPE)
+    xq = (x / per_element_scales(a1, q, H)).clamp(-448, 448).to(FP8_DTYPE)
     p = MoEProblem(7, H, I, 4, 4, 2, torch.float32, FP8_DTYPE, quant=q)  # the problem keeps the float dtype
     scales = {n: kw[n] for n in ("w1_scale", "w2_scale", "a2_scale") if n in kw}
     inputs = ExpertsInputs(xq, w1q, w2q, tw, ids, a1_scale=a1, **scales)

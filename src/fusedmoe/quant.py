@@ -226,8 +226,14 @@ def fake_quantize_activation(
     quant = QuantConfig.parse(quant)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
-    s = activation_scales(x, quant, scale)
-    if quant.mode == "fp8_block":
-        s = s.repeat_interleave(quant.block_shape[1], dim=1)[:, : x.shape[1]]
+    s = per_element_scales(activation_scales(x, quant, scale), quant, x.shape[1])
     q = _to_fp8(x, s)
     return (q.float() * s).to(x.dtype)
+
+
+def per_element_scales(scale: torch.Tensor, quant: QuantConfig, K: int) -> torch.Tensor:
+    """Activation scales as :func:`activation_scales` gives them ([1], [rows, 1], [rows, cdiv(K, bk)]) in a shape
+    that broadcasts over the activations [rows, K]: fp8_block's group scales repeated over their columns."""
+    if quant.mode == "fp8_block":
+        return scale.repeat_interleave(quant.block_shape[1], dim=1)[:, :K]
+    return scale

@@ -32,7 +32,7 @@ import torch
 
 from ..mxfp4 import dequantize_mxfp4
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Layout, MoEProblem
-from ..quant import FP8_DTYPE, QuantConfig, fake_quantize_activation
+from ..quant import FP8_DTYPE, QuantConfig, fake_quantize_activation, per_element_scales
 from ..steps import step
 from ..workspace.plan import BufferSpec
 from .base import Experts
@@ -191,13 +191,9 @@ def _dequantized_rows(c, token_of: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError("fp8 hidden_states need a1_scale")
     out.copy_(x.hidden_states.index_select(0, token_of))
     scale = x.a1_scale.float()
-    if q.mode == "fp8_tensor":
-        out.mul_(scale.reshape(()))
-    elif q.mode == "fp8_token":
-        out.mul_(scale.reshape(-1).index_select(0, token_of)[:, None])
-    else:
-        rows = scale.index_select(0, token_of)
-        out.mul_(rows.repeat_interleave(q.block_shape[1], dim=1)[:, : out.shape[1]])
+    if q.mode != "fp8_tensor":  # row scales: those of the gathered rows
+        scale = scale.reshape(scale.shape[0], -1).index_select(0, token_of)
+    out.mul_(per_element_scales(scale, q, out.shape[1]))
 
 
 def _expert_scale(c, w_scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
