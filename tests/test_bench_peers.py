@@ -106,3 +106,21 @@ def test_triton_kernels_routing_covers_the_presets_it_can_compute():
             want = torch.softmax(logits.gather(1, ids.long()), -1)
         torch.testing.assert_close(w, want)
         assert torch.equal(ids.long().sort(1).values, logits.topk(4).indices.sort(1).values)
+
+
+def test_peer_that_fails_to_set_up_is_an_error_row_and_ours_still_raise(monkeypatch):
+    """A backend whose setup raises (for a peer, say, an API its installed version lacks): a peer's gives its error
+    text, so the sweep records it and goes on; our own backends' failures are raised."""
+    import pytest
+
+    from fusedmoe.tools.bench import kernel
+
+    def broken(*args):
+        raise TypeError("no such layout")
+
+    monkeypatch.setattr(kernel, "_make_call", broken)
+    for peer in ("grouped_mm", "triton_kernels", "triton_kernels_mxfp4"):
+        assert kernel._call_or_setup_error(peer, "shape") == (None, "TypeError: no such layout")
+    for ours in ("triton", "triton_bf16", "torch"):
+        with pytest.raises(TypeError, match="no such layout"):
+            kernel._call_or_setup_error(ours, "shape")

@@ -169,9 +169,13 @@ def main(args: argparse.Namespace) -> int:
             continue
         ours = None  # our layer's output on logits[0], for the peers' check
         for backend in backends:
-            fn = _make_call(
+            fn, error = _call_or_setup_error(
                 backend, shape, x, w1, w2, quantized, expert_map, manager, getattr(args, "configs_before", None)
             )
+            if error:
+                results.append({"backend": backend, "M": M, "error": error})
+                print(f"peer {backend}: setup failed on {shape.name} M={M}: {error}")
+                continue
             if fn is None:
                 if (backend in peers.MAKERS or backend in peers.QUANT_MAKERS) and backend not in skipped:
                     skipped.add(backend)  # said once: a peer asked for must not vanish from the table unexplained
@@ -285,6 +289,18 @@ def _config_dir(path: str):
             del os.environ[ENV_DIR]
         else:
             os.environ[ENV_DIR] = old
+
+
+def _call_or_setup_error(backend, *make_args) -> tuple:
+    """(:func:`_make_call`'s call, None), or for a peer whose setup raises (an API its installed version lacks, a
+    layout it refuses) (None, the error's text): a peer's failure is a row of the table, not the end of the sweep.
+    Our own backends raise."""
+    try:
+        return _make_call(backend, *make_args), None
+    except Exception as exc:
+        if backend not in peers.MAKERS and backend not in peers.QUANT_MAKERS:
+            raise
+        return None, f"{type(exc).__name__}: {exc}"[:200]
 
 
 def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager, configs_before=None):
