@@ -1,12 +1,12 @@
 """Time our MXFP4 layer (routing + both GEMMs) under tile candidates for one K-loop path, on the GPU (#18).
 
-The path is the process's ``FUSEDMOE_MXFP4_DOT`` (unset: ``tl.dot_scaled`` with the weights second; ``swapped``:
-``tl.dot_scaled`` with the weights first; ``swapped_decode``: our register decode, weights first; see
-``ops.expert_gemm.mxfp4_quant_code``), so run one process per path. For each preset and M: the shipped choice
-(``get_config``) and each candidate pinned for both GEMMs, timed over a CUDA graph of 10 calls (as the bench), with
-the largest relative difference of its output from the shipped choice's. Candidates that fail to compile print
-their error.
-Usage: FUSEDMOE_MXFP4_DOT=swapped python scripts/mxfp4_probe.py [--presets gpt-oss-20b,gpt-oss-120b]
+The path is the process's ``FUSEDMOE_MXFP4_DOT`` (unset or ``scaled``: ``tl.dot_scaled``; ``decode``: the register
+decode and dots; see ``ops.expert_gemm.mxfp4_quant_code``), so run one process per path. For each preset and M: the
+shipped choice (``get_config``) and each candidate pinned for both GEMMs, timed over a CUDA graph of 10 calls (as the
+bench), with the largest relative difference of its output from the shipped choice's. Candidates that fail to
+compile print their error. (At 726cc6e it also timed two weights-first K loops, ``acc^T = W @ A^T``, removed after
+it: BENCHMARKS.md, tenth session.)
+Usage: FUSEDMOE_MXFP4_DOT=decode python scripts/mxfp4_probe.py [--presets gpt-oss-20b,gpt-oss-120b]
        [--tokens 1,8,64,512,4096] [--json OUT.json]"""
 
 from __future__ import annotations

@@ -45,10 +45,6 @@ from .configs import GemmConfig
 QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
 #: The kernel code of MXFP4 through ``tl.dot_scaled`` (see :func:`mxfp4_quant_code`).
 MXFP4_SCALED_DOT = 5
-#: The kernel codes of MXFP4 with the weights as the dot's first operand (:func:`_k_loop_mxfp4_swapped`): through
-#: ``tl.dot_scaled`` (6) or the register decode (7).
-MXFP4_SWAPPED_SCALED = 6
-MXFP4_SWAPPED_DECODE = 7
 #: BLOCK_M below this is too short for a tensor-core dot: such tiles take the multiply-add K loops.
 MIN_DOT_BLOCK_M = 16
 MIN_DOT_ROWS = tl.constexpr(MIN_DOT_BLOCK_M)
@@ -118,13 +114,11 @@ def k_loop(
     for the others. ``w_desc``: see :func:`_k_loop_dense` (only its tensor-core tiles take one). ``INTERLEAVE``
     (gated tensor-core tiles of dense, fp8_tensor or fp8_token weights): :func:`_k_loop_gate_up`."""
     fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
-    if (QUANT == 6 or QUANT == 7) and not fma:
-        acc_g, acc_u = _k_loop_mxfp4_swapped(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, QUANT == 6, IEEE)
-    elif QUANT == 5 and not fma:
+    if QUANT == 5 and not fma:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
-    elif QUANT >= 4 and QUANT <= 7 and row_ok.shape[0] == 1:
+    elif (QUANT == 4 or QUANT == 5) and row_ok.shape[0] == 1:
         acc_g, acc_u = _k_loop_mxfp4_row(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
-    elif QUANT >= 4 and QUANT <= 7:
+    elif QUANT == 4 or QUANT == 5:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, fma)
     elif INTERLEAVE and GATED and QUANT != 3 and not fma:
         acc_g, acc_u = _k_loop_gate_up(
@@ -350,62 +344,6 @@ def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constex
         g_ptrs += HALF * stride_wk
         gs_ptrs += GROUPS * stride_wsk
     return acc_g, acc_u
-
-
-@triton.jit
-def _k_loop_mxfp4_swapped(
-    a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, IEEE
-):
-    """:func:`_k_loop_mxfp4` with the weights as the dot's first operand: per K tile ``acc^T += W @ A^T``
-    ([BLOCK_N, BLOCK_M]), so that on Hopper the decoded weight tile can feed the tensor cores from registers (the
-    first operand of a wgmma may live there; the second is read from shared memory) and the activation rows are the
-    short side of the product. ``SCALED``: ``tl.dot_scaled`` decodes (the compiler's e2m1 upcast), else the
-    register decode of :func:`_e2m1` and one dot in the activations' dtype. Returns the [BLOCK_M, BLOCK_N]
-    accumulators of :func:`k_loop`."""
-    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
-    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
-    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
-    HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_j = tl.arange(0, HALF)
-    offs_s = tl.arange(0, GROUPS)
-    e64 = expert.to(tl.int64)
-    a_ptrs = a_ptr + e64 * stride_ae + rows[None, :] * stride_am + offs_k[:, None] * stride_ak  # [BLOCK_K, R]
-    g_ptrs = w_ptr + e64 * stride_we + offs_nw[:, None] * stride_wn + offs_j[None, :] * stride_wk  # [BLOCK_N, HALF]
-    gs_ptrs = w_scale_ptr + e64 * stride_wse + offs_nw[:, None] * stride_wsn + offs_s[None, :] * stride_wsk
-    acc_g = tl.zeros([offs_nw.shape[0], rows.shape[0]], dtype=tl.float32)
-    acc_u = tl.zeros([offs_nw.shape[0], rows.shape[0]], dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kt * BLOCK_K
-        a_t = tl.load(a_ptrs, mask=(offs_k < k_left)[:, None] & row_ok[None, :], other=0.0)
-        j_ok = (offs_j < k_left // 2)[None, :]
-        s_ok = (offs_s < k_left // 32)[None, :]
-        g = tl.load(g_ptrs, mask=j_ok, other=0)
-        acc_g = _weights_first_product(g, tl.load(gs_ptrs, mask=s_ok, other=127), a_t, acc_g, SCALED, IEEE)
-        if GATED:
-            u = tl.load(g_ptrs + N * stride_wn, mask=j_ok, other=0)
-            us = tl.load(gs_ptrs + N * stride_wsn, mask=s_ok, other=127)
-            acc_u = _weights_first_product(u, us, a_t, acc_u, SCALED, IEEE)
-        a_ptrs += BLOCK_K * stride_ak
-        g_ptrs += HALF * stride_wk
-        gs_ptrs += GROUPS * stride_wsk
-    return acc_g.trans(), acc_u.trans()
-
-
-@triton.jit
-def _weights_first_product(w_bytes, w_scales, a_t, acc, SCALED: tl.constexpr, IEEE: tl.constexpr):
-    """``acc + decode(w_bytes, w_scales) @ a_t``: packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] (element 2j in the low
-    nibble of byte j), e8m0 scales [BLOCK_N, BLOCK_K / 32], activations [BLOCK_K, R]."""
-    if SCALED:
-        return tl.dot_scaled(w_bytes, w_scales, "e2m1", a_t, None, "bf16", acc)
-    BN: tl.constexpr = w_bytes.shape[0]
-    HALF: tl.constexpr = w_bytes.shape[1]
-    values = tl.reshape(tl.join(_e2m1(w_bytes & 15), _e2m1(w_bytes >> 4)), [BN, 2 * HALF])
-    scale = _e8m0(w_scales)
-    G: tl.constexpr = scale.shape[1]
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BN, G, 32]), [BN, 2 * HALF])
-    return _mma((values * scale).to(a_t.dtype), a_t, acc, IEEE)
 
 
 @triton.jit
@@ -855,12 +793,9 @@ def mxfp4_quant_code(dtype: torch.dtype) -> int:
     else 4 (register decode: float32 and fp16, which Triton 3.6's ``dot_scaled`` does not compile; the CPU
     interpreter, which has no ``dot_scaled``; or ``FUSEDMOE_MXFP4_DOT=decode``). Tiles of fewer than 16 rows
     decode and multiply-add under either code (:func:`k_loop`)."""
-    choice = os.environ.get(ENV_MXFP4_DOT)
-    if choice == "swapped_decode":
-        return MXFP4_SWAPPED_DECODE
     if dtype != torch.bfloat16 or os.environ.get("TRITON_INTERPRET") == "1":
         return QUANT_CODES["mxfp4"]
-    return {"decode": QUANT_CODES["mxfp4"], "swapped": MXFP4_SWAPPED_SCALED}.get(choice, MXFP4_SCALED_DOT)
+    return QUANT_CODES["mxfp4"] if os.environ.get(ENV_MXFP4_DOT) == "decode" else MXFP4_SCALED_DOT
 
 
 def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, activation: str | None) -> dict:
