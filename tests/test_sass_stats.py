@@ -1,0 +1,51 @@
+"""scripts/sass_stats.py: GEMM1 compiled for sm90 on a CPU-only machine (the ptxas and cuobjdump of Triton's wheel),
+as the H200 runs it: software-pipelined (asynchronous global-to-shared copies) with wgmma tensor-core ops, and the
+MXFP4 kernel through Triton's e2m1 upcast."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "sass_stats.py")
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("sass_stats_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this Triton has no cuobjdump")
+    out = tmp_path_factory.mktemp("sass") / "counts.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, not interpreted
+    variants = ["bf16:64,64,128,4,3", "mxfp4:64,64,128,4,3"]
+    subprocess.run([sys.executable, SCRIPT, "--variants", *variants, "--json", str(out)], env=env, check=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("quant", ["bf16", "mxfp4"])
+def test_gemm1_for_sm90_is_pipelined_on_wgmma(counts, quant):
+    c = counts[f"{quant}:64,64,128,4,3"]
+    ttgir, sass = c["ttgir"], c["sass"]
+    assert ttgir["async_copy_global_to_local"] > 0 and sass["LDGSTS"] > 0  # weights and activations prefetched
+    assert sass["HGMMA"] > 0 and sass.get("HMMA", 0) == 0
+    assert (ttgir["fp4_to_fp"] > 0) == (quant == "mxfp4")
+    assert (sass.get("PRMT", 0) > 0) == (quant == "mxfp4")  # byte shuffles of the e2m1 upcast; none in bf16
+
+
+def test_opcode_counts_read_predicated_instructions():
+    sass = "        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;\n"
+    sass += "        /*0050*/              @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;\n"
+    sass += "        /*0060*/              @P1 BRA 0x80 ;\n"
+    sass += "        /*0070*/                   @UP0 EXIT ;\n"
+    assert _load_script().opcode_counts(sass) == {"HGMMA": 1, "LDGSTS": 1, "BRA": 1, "EXIT": 1}
