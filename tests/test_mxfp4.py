@@ -269,10 +269,14 @@ def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("block_m", [16, 1])
-def test_every_byte_and_scale_decodes_exactly(device, block_m):
-    """The kernels' bit-assembled decode of every byte value (both nibbles) under e8m0 scales across the range:
-    GEMM2 on one-hot activation rows reads each weight column back, equal to the torch decode bit for bit (the
-    products are exact in float32 and TF32: e2m1 values have 2 significant bits)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_byte_and_scale_decodes_exactly(device, block_m, dtype):
+    """The kernels' decode of every byte value (both nibbles) under e8m0 scales across the range: GEMM2 on one-hot
+    activation rows reads each weight column back, equal to the torch decode bit for bit (the products are exact in
+    float32, TF32 and bf16: e2m1 values have 2 significant bits). float32: the bit-assembled register decode; bf16
+    on the GPU: ``tl.dot_scaled``'s upcast (16-row tiles, with ``fast_math``) and the one-row word decode."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter has no tl.dot_scaled and no exact bf16")
     E, N, K = 1, 16, 64  # 16 rows x 32 bytes: every byte value twice
     packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(E, N, K // 2)
     low = [0, 1, 2] if device == "cpu" else [3]  # subnormal scales: exact on the CPU; the GPU may flush them
@@ -282,11 +286,12 @@ def test_every_byte_and_scale_decodes_exactly(device, block_m):
     ids = torch.zeros(K, 1, dtype=torch.int32, device=device)  # K tokens, all on the one expert
     s, b, _ = moe_align(ids, E, block_m)
     nb = grid_blocks(K, align_params(K, E, block_m).max_blocks)
-    out = torch.full((K, N), float("nan"), device=device)
+    out = torch.full((K, N), float("nan"), device=device, dtype=dtype)
     num = Numerics(mode="mxfp4", w_scale=scales.to(device), fp32_ieee=True)
     cfg = GemmConfig(block_m, 16, 64)
-    moe_gemm2(torch.eye(K, device=device), packed.to(device), out, s, b, num_blocks=nb, config=cfg, numerics=num)
-    assert torch.equal(out.cpu(), want.T)
+    eye = torch.eye(K, device=device, dtype=dtype)
+    moe_gemm2(eye, packed.to(device), out, s, b, num_blocks=nb, config=cfg, numerics=num)
+    assert torch.equal(out.float().cpu(), want.T)
 
 
 @interpreter
