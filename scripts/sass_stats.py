@@ -3,7 +3,7 @@
 Triton compiles for a target it is told (``GPUTarget("cuda", 90, 32)``) with the ptxas and cuobjdump its wheel
 ships, so the TTGIR and SASS of a Hopper kernel can be read on a CPU-only machine. The arguments are specialized as
 a launch on the H200 would specialize them for GEMM1 of gpt-oss-20b (strides of 1 as constants, 16-divisible
-pointers and strides marked so): without those marks Triton cannot use asynchronous copies and the code read would
+pointers and integers, 0 included, marked so): without those marks Triton cannot use asynchronous copies and the code read would
 not be the code that runs. Prints, per variant, the shared memory, the counts of chosen TTGIR operations (software
 pipelining, layout conversions, tensor-core ops) and of SASS opcodes (per kernel, the loop's code appearing once per
 pipeline stage it is unrolled into).
@@ -62,12 +62,12 @@ def compile_variant(quant: str, bm: int, bn: int, bk: int, warps: int, stages: i
     signature, attrs = {}, {}
     for p in _moe_gemm.params:
         name = p.name
-        if name in consts or ints.get(name, -1) in (0, 1):  # constexprs, and the ints Triton specializes to 0/1
+        if name in consts or ints.get(name) == 1:  # constexprs, and the ints Triton specializes to the constant 1
             consts.setdefault(name, ints.get(name))
             signature[name] = "constexpr"
             continue
         signature[name] = pointers.get(name, "i32")
-        if name in pointers or ints.get(name, 1) % 16 == 0:
+        if name in pointers or ints.get(name, 1) % 16 == 0:  # 16-divisible pointers and ints (0 included)
             attrs[(_moe_gemm.arg_names.index(name),)] = [["tt.divisibility", 16]]
     src = ASTSource(
         fn=_moe_gemm,

@@ -270,13 +270,17 @@ def test_scaled_dot_and_decode_agree(monkeypatch, dtype, block_k):
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("block_m", [16, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_byte_and_scale_decodes_exactly(device, block_m, dtype):
+def test_every_byte_and_scale_decodes_exactly(monkeypatch, device, block_m, dtype):
     """The kernels' decode of every byte value (both nibbles) under e8m0 scales across the range: GEMM2 on one-hot
     activation rows reads each weight column back, equal to the torch decode bit for bit (the products are exact in
     float32, TF32 and bf16: e2m1 values have 2 significant bits). float32: the bit-assembled register decode; bf16
     on the GPU: ``tl.dot_scaled``'s upcast (16-row tiles, with ``fast_math``) and the one-row word decode."""
+    from fusedmoe.ops.expert_gemm import ENV_MXFP4_DOT, MXFP4_SCALED_DOT, mxfp4_quant_code
+
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the interpreter has no tl.dot_scaled and no exact bf16")
+    monkeypatch.delenv(ENV_MXFP4_DOT, raising=False)  # the shipped K loops, whatever the caller's environment
+    assert (mxfp4_quant_code(dtype) == MXFP4_SCALED_DOT) == (dtype == torch.bfloat16)
     E, N, K = 1, 16, 64  # 16 rows x 32 bytes: every byte value twice
     packed = torch.arange(N * K // 2, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(E, N, K // 2)
     low = [0, 1, 2] if device == "cpu" else [3]  # subnormal scales: exact on the CPU; the GPU may flush them

@@ -350,8 +350,8 @@ def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constex
 def _scaled_dot(a, w_bytes, w_scales, acc):
     """``acc + a @ decode(w_bytes, w_scales)`` for bf16 ``a`` (Triton 3.6 fails to compile the fp16 form).
     ``fast_math`` leaves out the upcast's NaN handling of scale byte 255 (the OCP format's NaN, which neither our
-    quantizer nor a checkpoint of finite weights holds): on sm90 11-18% fewer instructions per K tile
-    (``scripts/sass_stats.py``), measured in BENCHMARKS.md (tenth session)."""
+    quantizer nor a checkpoint of finite weights holds): on sm90 11-18% fewer SASS instructions in the compiled
+    kernel (``scripts/sass_stats.py``) and 1.13-1.23x faster at M >= 64 (BENCHMARKS.md, tenth session)."""
     return tl.dot_scaled(a, None, "bf16", w_bytes, w_scales, "e2m1", acc, fast_math=True)
 
 

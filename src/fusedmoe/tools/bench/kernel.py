@@ -151,9 +151,11 @@ def main(args: argparse.Namespace) -> int:
 
             # every backend asked for (--backends; triton by default), e.g. ours beside a peer's kernels
             for backend in backends if args.backends or getattr(args, "peers", False) else ["triton"]:
-                fn = _make_call(
+                fn, error = _call_or_setup_error(
                     backend, shape, x, w1, w2, quantized, expert_map, manager, getattr(args, "configs_before", None)
                 )
+                if error:
+                    print(f"peer {backend}: setup failed on {shape.name} M={M}: {error}")
                 if fn is None:
                     continue
                 breakdown = profile.kernel_breakdown(lambda fn=fn, lg=logits[0]: fn(lg))
