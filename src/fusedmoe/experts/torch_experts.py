@@ -143,7 +143,7 @@ def _scale_fp8_rows_(wf: torch.Tensor, w_scale: torch.Tensor, quant: QuantConfig
         if K % bk == 0:  # whole blocks: broadcast over each block's columns, no [n, K] copy of the scales
             wf.view(n, K // bk, bk).mul_(tiles[:, :, None])
         else:
-            wf.mul_(tiles.repeat_interleave(bk, dim=1)[:, :K])
+            wf.mul_(per_element_scales(tiles, quant, K))
 
 
 def _fp8_round_(c, rows: torch.Tensor, static_scale: torch.Tensor | None) -> None:
