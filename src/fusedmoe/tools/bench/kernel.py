@@ -179,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"peer {backend}: setup failed on {shape.name} M={M}: {error}")
                 continue
             if fn is None:
-                if (backend in peers.MAKERS or backend in peers.QUANT_MAKERS) and backend not in skipped:
+                if peers.is_peer(backend) and backend not in skipped:
                     skipped.add(backend)  # said once: a peer asked for must not vanish from the table unexplained
                     print(
                         f"peer {backend}: not run on {shape.name} {args.dtype} (absent, or its routing "
@@ -300,7 +300,7 @@ def _call_or_setup_error(backend, *make_args) -> tuple:
     try:
         return _make_call(backend, *make_args), None
     except Exception as exc:
-        if backend not in peers.MAKERS and backend not in peers.QUANT_MAKERS:
+        if not peers.is_peer(backend):
             raise
         return None, f"{type(exc).__name__}: {exc}"[:200]
 

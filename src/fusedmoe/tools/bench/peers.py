@@ -109,20 +109,36 @@ def mxfp4_for_triton_kernels(packed: torch.Tensor, scales: torch.Tensor, interle
 def make_triton_kernels(x, w1, w2, top_k: int, routing: dict):
     """triton_kernels' ``routing`` + two ``matmul_ogs`` calls; None for routing it does not do (grouped top-k,
     softmax before top-k without renormalizing is its ``sm_first``)."""
-    from triton_kernels import swiglu
-    from triton_kernels.matmul_ogs import FnSpecs, FusedActivation, matmul_ogs
-    from triton_kernels.routing import routing as tk_routing
-
     sm_first = _triton_kernels_sm_first(routing)
     if sm_first is None:
         return None
     w1t, w2t, bias = triton_kernels_weights(w1, w2)
+    return _triton_kernels_layer(x, w1t, w2t, bias, top_k, sm_first)
+
+
+def _triton_kernels_layer(x, w1, w2, bias, top_k: int, sm_first: bool, precision=(None, None), constraints=None):
+    """A function of router logits running triton_kernels' ``routing`` (``sm_first``), GEMM1 on ``w1`` with its
+    SwiGLU fused (``bias``: the up-column bias of :func:`up_bias`) and GEMM2 on ``w2`` with the scatter and the
+    gate-weighted top-k sum fused; ``precision``: the two GEMMs' ``PrecisionConfig`` (None: unquantized),
+    ``constraints``: its opt-flag constraints, held during each call only."""
+    from triton_kernels import swiglu
+    from triton_kernels.matmul_ogs import FnSpecs, FusedActivation, matmul_ogs
+    from triton_kernels.matmul_ogs_details.opt_flags import reset_opt_flags_constraints, update_opt_flags_constraints
+    from triton_kernels.routing import routing as tk_routing
+
     act = FusedActivation(FnSpecs("swiglu", swiglu.swiglu_fn, ("alpha", "limit")), (1.0, None), 2)
+    pc1, pc2 = precision
 
     def call(logits):
-        rdata, gather, scatter = tk_routing(logits, top_k, sm_first=sm_first)
-        h = matmul_ogs(x, w1t, bias, rdata, gather_indx=gather, fused_activation=act)
-        return matmul_ogs(h, w2t, None, rdata, scatter_indx=scatter, gammas=rdata.gate_scal)
+        if constraints:
+            update_opt_flags_constraints(constraints)
+        try:
+            rdata, gather, scatter = tk_routing(logits, top_k, sm_first=sm_first)
+            h = matmul_ogs(x, w1, bias, rdata, gather_indx=gather, precision_config=pc1, fused_activation=act)
+            return matmul_ogs(h, w2, None, rdata, scatter_indx=scatter, precision_config=pc2, gammas=rdata.gate_scal)
+        finally:
+            if constraints:
+                reset_opt_flags_constraints()
 
     return call
 
@@ -146,11 +162,8 @@ def make_triton_kernels_mxfp4(x, quantized: dict, top_k: int, routing: dict):
     """triton_kernels' ``routing`` + two w4a16 ``matmul_ogs`` calls on our MXFP4 weights (the same bits), laid out
     as its Hopper kernels read them; None for other weight modes or routing it does not do. ``split_k`` is held
     at 1 during each call, as vLLM holds it for MXFP4 weights on Hopper."""
-    from triton_kernels import swiglu
-    from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
-    from triton_kernels.matmul_ogs_details.opt_flags import reset_opt_flags_constraints, update_opt_flags_constraints
+    from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
     from triton_kernels.numerics import InFlexData
-    from triton_kernels.routing import routing as tk_routing
     from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
     from triton_kernels.tensor_details import layout
 
@@ -169,18 +182,7 @@ def make_triton_kernels_mxfp4(x, quantized: dict, top_k: int, routing: dict):
     w1, pc1 = laid_out(quantized["w1"], quantized["w1_scale"], True)
     w2, pc2 = laid_out(quantized["w2"], quantized["w2_scale"], False)
     bias = up_bias(quantized["w1"].shape[0], quantized["w1"].shape[1], x.device)
-    act = FusedActivation(FnSpecs("swiglu", swiglu.swiglu_fn, ("alpha", "limit")), (1.0, None), 2)
-
-    def call(logits):
-        update_opt_flags_constraints({"split_k": 1})
-        try:
-            rdata, gather, scatter = tk_routing(logits, top_k, sm_first=sm_first)
-            h = matmul_ogs(x, w1, bias, rdata, gather_indx=gather, precision_config=pc1, fused_activation=act)
-            return matmul_ogs(h, w2, None, rdata, scatter_indx=scatter, precision_config=pc2, gammas=rdata.gate_scal)
-        finally:
-            reset_opt_flags_constraints()
-
-    return call
+    return _triton_kernels_layer(x, w1, w2, bias, top_k, sm_first, (pc1, pc2), {"split_k": 1})
 
 
 def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
@@ -196,6 +198,11 @@ def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
 
 MAKERS = {"vllm": make_vllm, "triton_kernels": make_triton_kernels, "grouped_mm": make_grouped_mm}
 QUANT_MAKERS = {"triton_kernels_mxfp4": make_triton_kernels_mxfp4}
+
+
+def is_peer(backend: str) -> bool:
+    """Whether ``backend`` is another library's kernels (bf16 or quantized), not one of ours."""
+    return backend in MAKERS or backend in QUANT_MAKERS
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor) -> float:
