@@ -64,7 +64,7 @@ def y_dtype(p: MoEProblem, config: MoEConfig) -> torch.dtype:
     shared memory beside the next tile's loads: a float32 128x256 tile does not fit there beside 3 stages, so such
     configs store ``y`` in the activation dtype, as vLLM and triton_kernels do at every size. (A float32 ``y`` also
     doubles GEMM2's stores and the reduce's reads: the reduce of qwen3-30b-a3b at M=16384 took 277 us with one,
-    139 us with bf16, on the H200, #17.)"""
+    139 us with bf16, on the H200.)"""
     return p.dtype if config.gemm2.persistent >= 2 else torch.float32
 
 

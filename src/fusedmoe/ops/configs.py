@@ -275,7 +275,7 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 #: MXFP4 problems with at most this many rows per expert (on average) take one-row multiply-add blocks by default;
 #: other formats only from a table or a pin (their tuned tables decide, `fusedmoe tune`). Measured on the H200
-#: (BENCHMARKS.md, #18) with the word-decode loop (864a474): one-row blocks beat 16-row dot tiles up to 1 row per
+#: (BENCHMARKS.md) with the word-decode loop (864a474): one-row blocks beat 16-row dot tiles up to 1 row per
 #: expert (gpt-oss-20b M=8: 331 us against 394) and lose at 2 (gpt-oss-20b M=16: 643 against 478): each row
 #: decodes the weights again.
 DECODE_ROWS = 1.0
@@ -291,7 +291,7 @@ PERSISTENT_MIN_TOKENS = 1024
 
 def weight_tma(block_m: int, quant_mode: str | None) -> bool:
     """Whether tiles of ``block_m`` rows read unquantized weights through TMA descriptors by default (the heuristic's
-    and the tuner's rule): from 64 rows, 1-7% faster at M >= 1024 on the H200 (#17); no gain measured for fp8, and
+    and the tuner's rule): from 64 rows, 1-7% faster at M >= 1024 on the H200; no gain measured for fp8, and
     MXFP4 takes none."""
     return quant_mode is None and block_m >= 64
 
@@ -328,7 +328,7 @@ def heuristic_config(
         g1 = GemmConfig(64, 64, 128 if fp8 else 64, 8, 4, 3)
         g2 = GemmConfig(64, 128, 128 if fp8 else 64, 8, 4, 3)
     elif quant_mode == "fp8_block":
-        # 128-row tiles spill with a scaled partial product per K tile (qwen3 M=4096: 2167 us against 920, #17)
+        # 128-row tiles spill with a scaled partial product per K tile (qwen3 M=4096: 2167 us against 920)
         g1 = GemmConfig(64, 128, 128, 8, 8, 3)
         g2 = GemmConfig(64, 128, 128, 8, 4, 4)
     elif fp8:
@@ -337,7 +337,7 @@ def heuristic_config(
     elif M >= PERSISTENT_MIN_TOKENS:
         # GEMM1's interleaved gate-up dot and both GEMMs on a flattened persistent grid: 2-15% faster per GEMM
         # than one program per tile with two dots at every point measured (M = 1024, 4096, 16384 of qwen3-30b-a3b,
-        # mixtral-8x7b and deepseek-v2-lite; scripts/prefill_sweep.py --set rules, H200, #17)
+        # mixtral-8x7b and deepseek-v2-lite; scripts/prefill_sweep.py --set rules, H200)
         g1 = GemmConfig(128, 128, 64, 16, 8, 3, persistent=2, interleave=True)
         g2 = GemmConfig(128, 256, 64, 16, 8, 3, persistent=2)
     else:

@@ -351,7 +351,7 @@ def _scaled_dot(a, w_bytes, w_scales, acc):
     """``acc + a @ decode(w_bytes, w_scales)`` for bf16 ``a`` (Triton 3.6 fails to compile the fp16 form).
     ``fast_math`` leaves out the upcast's NaN handling of scale byte 255 (the OCP format's NaN, which neither our
     quantizer nor a checkpoint of finite weights holds): on sm90 11-18% fewer SASS instructions in the compiled
-    kernel (``scripts/sass_stats.py``) and 1.13-1.23x faster at M >= 64 (BENCHMARKS.md, tenth session)."""
+    kernel (``scripts/sass_stats.py``) and 1.13-1.23x faster at M >= 64 on the H200 (BENCHMARKS.md)."""
     return tl.dot_scaled(a, None, "bf16", w_bytes, w_scales, "e2m1", acc, fast_math=True)
 
 

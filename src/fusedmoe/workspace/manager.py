@@ -2,8 +2,8 @@
 
 Strategies (one switch, same kernels, so the seeds' question is settled by measurement):
 
-- ``alloc_zeros``: a fresh ``torch.zeros`` arena per call (the modular kernel before vLLM #19667).
-- ``alloc_empty``: a fresh ``torch.empty`` arena per call (after #19667).
+- ``alloc_zeros``: a fresh ``torch.zeros`` arena per call (vLLM's modular kernel before its pull request 19667).
+- ``alloc_empty``: a fresh ``torch.empty`` arena per call (after it).
 - ``per_layer``: every owner (layer) keeps its own persistent, grow-only arena (the reusable-workspace PR).
 - ``shared`` (default): one persistent, grow-only arena per (device, slot), shared by every layer.
 

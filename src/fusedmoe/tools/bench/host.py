@@ -12,7 +12,7 @@ Reported per path and per M:
   the workspace arena, the output allocation, and every kernel launch of the layer's recorded trace, routing
   included (``launch <kernel>``: its compiled launcher alone). ``raw launches`` is their sum: the floor of a call that
   makes these launches; ``forward / raw`` is the overhead factor;
-- device time per call (CUDA graph replay), to set host time against;
+- GPU time per call (CUDA graph replay), to set host time against;
 - the batched layout (``FusedMoE(layout="batched")``) and, with gloo on the CPU, the expert-parallel layer of
   one rank.
 
@@ -45,7 +45,7 @@ COLUMNS = ["path", "backend", "M", "host us/call", "device us/call", "note"]
 
 def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200) -> float:
     """Median host microseconds of one call of ``fn``, each issued after the device went idle (so the launch
-    queue never pushes back, whatever the device time)."""
+    queue never pushes back, whatever the GPU time)."""
     for _ in range(3):
         fn()
     samples = []

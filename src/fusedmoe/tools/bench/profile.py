@@ -1,6 +1,6 @@
-"""Per-kernel device time of one layer call (routing + fused call), from the torch profiler.
+"""Per-kernel GPU time of one layer call (routing + fused call), from the torch profiler.
 
-Answers "where do the microseconds go" without hardware counters: each kernel's average device time per call,
+Answers "where do the microseconds go" without hardware counters: each kernel's average GPU time per call,
 and the count of kernels, allocations and fill/zero kernels per call.
 """
 
@@ -14,7 +14,7 @@ FILL_NAMES = ("fill", "zero", "memset")
 
 
 def kernel_breakdown(fn, iters: int = 20) -> list[dict[str, object]]:
-    """Run ``fn`` ``iters`` times under the profiler; return kernels sorted by total device time."""
+    """Run ``fn`` ``iters`` times under the profiler; return kernels sorted by total GPU time."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
