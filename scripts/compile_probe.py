@@ -1,7 +1,7 @@
 """Compile the expert GEMM (``_moe_gemm``) for Hopper (sm_90) on this machine, no GPU needed, and print what the
 compiler made of it: the dot instruction (wgmma or mma.sync), asynchronous copies (pipelined loads), layout
 conversions, shared memory and registers/spills (from the ptxas Triton ships). For comparing K-loop variants
-before spending GPU time. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128]
+before running them on a GPU. Usage: python scripts/compile_probe.py [--quant 0,4,5] [--tiles 16,64,256:128,128,128]
 [--warps 4] [--stages 3] [--gated 1] [--dump DIR] [--weight-only] [--tma] [--interleave] [--persistent 1]"""
 
 from __future__ import annotations

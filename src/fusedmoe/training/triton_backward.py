@@ -11,8 +11,7 @@ the activation's backward -> ``dh``), so the activation and ``w g`` are dead bef
 peak is then ``dh`` plus one [P, H] operand. Steps whose gradients nobody asked for are left out.
 
 Both weight-gradient GEMMs read their operands as contiguous rows of the aligned order: on the H200 that ran
-at ~520 TFLOP/s against ~225 with x's rows gathered by token inside the K loop (``scripts/wgrad_probe.py``,
-mixtral M=4096, BENCHMARKS.md).
+at ~520 TFLOP/s against ~225 with x's rows gathered by token inside the K loop (mixtral-8x7b, M=4096).
 
 Scratch comes from the same :class:`~fusedmoe.workspace.manager.WorkspaceManager` as the forward (so it is
 shared across layers, poison-checked and counted in ``WorkspaceStats``); the gradients are fresh tensors whose
@@ -111,7 +110,7 @@ def pin_backward_tiles(**tiles) -> None:
 
 
 def backward_launch(p: MoEProblem, needs: tuple[bool, ...], ieee: bool = False, saved: bool = False) -> BackwardLaunch:
-    """Tiles by rows per expert, from the H200 sweep of ``scripts/train_tune.py`` (BENCHMARKS.md, training), clamped
+    """Tiles by rows per expert, from an H200 sweep of the whole backward's time per tile candidate, clamped
     to the problem's widths. ``saved``: the forward saved GEMM1's output (``bwd_act`` keeps one accumulator)."""
     rows = p.slots / max(p.E, 1)
     block_m = _PINNED.get("block_m") or (16 if rows <= 16 else 32 if rows <= 64 else 64 if rows <= 512 else 128)
