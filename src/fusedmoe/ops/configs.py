@@ -337,7 +337,7 @@ def heuristic_config(
     elif M >= PERSISTENT_MIN_TOKENS:
         # GEMM1's interleaved gate-up dot and both GEMMs on a flattened persistent grid: 2-15% faster per GEMM
         # than one program per tile with two dots at every point measured (M = 1024, 4096, 16384 of qwen3-30b-a3b,
-        # mixtral-8x7b and deepseek-v2-lite; scripts/prefill_sweep.py --set rules, H200)
+        # mixtral-8x7b and deepseek-v2-lite, each GEMM timed alone on the H200)
         g1 = GemmConfig(128, 128, 64, 16, 8, 3, persistent=2, interleave=True)
         g2 = GemmConfig(128, 256, 64, 16, 8, 3, persistent=2)
     else:
