@@ -1,87 +1,22 @@
-"""The collective interface of expert parallelism, and the kernel that runs an expert-parallel call.
+"""Expert parallelism and the batched layout of a layer: the kernel of an expert-parallel call and
+:class:`LayerParallel`, which builds the kernels of a :class:`~fusedmoe.layer.FusedMoE` that runs them.
 
-:class:`Transport` is all the EP path needs from a communication library: exchange per-rank counts (the
-receiver learns how many rows each source sends), one variable-split all-to-all, and a max-reduce of a host
-integer (to size receive buffers when no static bound is configured). :class:`TorchDistributedTransport`
-implements it with ``torch.distributed`` (NCCL on GPUs, gloo on CPU: both support uneven and empty splits in
-``all_to_all_single``). A transport with device-side splits (torchcomms' ``device_alltoallv_single``) or
-NVSHMEM could implement the same methods and keep the count exchange on the device.
-
-Host synchronization: ``all_to_all_single`` takes its splits as host lists, so ``exchange_counts`` reads the
-counts on the host (one D2H sync per dispatch) and the EP path over ``torch.distributed`` is not CUDA-graph
-capturable (``ProcessGroupNCCL`` collectives also cannot be replayed safely). That is inherent to this transport,
-not to the prepare/finalize logic.
+The collectives they run over, :class:`~fusedmoe.transport.Transport` and its ``torch.distributed``
+implementation :class:`~fusedmoe.transport.TorchDistributedTransport`, live in :mod:`fusedmoe.transport`, below
+both this module and :mod:`fusedmoe.prepare_finalize.all_to_all`; they are importable from here too.
 """
 
 from __future__ import annotations
-
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from .experts.base import ExpertsInputs
 from .kernel import MoEKernel
-from .problem import MoEProblem
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """What expert parallelism needs from a communication backend."""
-
-    rank: int
-    world_size: int
-
-    def exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int]]:
-        """``send_counts``: int64 [world] on the data's device (rows this rank sends to each rank).
-        Returns (send counts, receive counts) as host lists (receive[r] = rows rank r sends here)."""
-        ...
-
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int], recv_splits: list[int]
-    ) -> None:
-        """Send ``input`` rows split by ``send_splits`` (to ranks 0..world-1), receive into ``output`` rows
-        split by ``recv_splits``. Both contiguous; splits may be zero."""
-        ...
-
-    def max_int(self, value: int, device: torch.device) -> int:
-        """The maximum of ``value`` over all ranks."""
-        ...
-
-
-class TorchDistributedTransport:
-    """:class:`Transport` over a ``torch.distributed`` process group (None: the default group)."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group first")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    def __repr__(self) -> str:
-        return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size})"
-
-    def exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int]]:
-        both = torch.empty((2, self.world_size), dtype=torch.int64, device=send_counts.device)
-        both[0].copy_(send_counts)
-        dist.all_to_all_single(both[1], both[0], group=self.group)
-        send, recv = both.tolist()  # the host sync of this transport
-        return send, recv
-
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, send_splits: list[int], recv_splits: list[int]
-    ) -> None:
-        if input.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bool):  # not every backend has them
-            input, output = input.view(torch.uint8), output.view(torch.uint8)
-        dist.all_to_all_single(
-            output, input, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=self.group
-        )
-
-    def max_int(self, value: int, device: torch.device) -> int:
-        t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
+from .prepare_finalize.all_to_all import AllToAllPrepareFinalize, contiguous_expert_map
+from .prepare_finalize.batched import BatchedPrepareFinalize
+from .problem import Layout, MoEProblem
+from .transport import TorchDistributedTransport, Transport
 
 
 class ExpertParallelKernel(MoEKernel):
@@ -121,8 +56,6 @@ class LayerParallel:
         max_tokens_per_rank: int | None = None,
         max_tokens_per_expert: int | None = None,
     ):
-        from .problem import Layout
-
         try:
             self.layout = Layout(layout)
         except ValueError:
@@ -151,13 +84,9 @@ class LayerParallel:
     def expert_map(self, device=None) -> torch.Tensor | None:
         if self.transport is None:
             return None
-        from .prepare_finalize.all_to_all import contiguous_expert_map
-
         return contiguous_expert_map(self.num_experts, self.rank, self.world, device)
 
     def kernel(self, backend: str, cap: int) -> MoEKernel:
-        from .problem import Layout
-
         key = (backend, cap)
         k = self._kernels.get(key)
         if k is None:
@@ -175,12 +104,8 @@ class LayerParallel:
 
                 experts = get_kernel(backend).experts
             if self.transport is None:
-                from .prepare_finalize.batched import BatchedPrepareFinalize
-
                 k = MoEKernel(BatchedPrepareFinalize(self.max_tokens_per_expert), experts)
             else:
-                from .prepare_finalize.all_to_all import AllToAllPrepareFinalize
-
                 k = ExpertParallelKernel(
                     AllToAllPrepareFinalize(
                         self.transport,

@@ -511,17 +511,17 @@ class FusedMoE(nn.Module):
     def from_hf_experts(cls, module: nn.Module, **kwargs) -> FusedMoE:
         """A FusedMoE from a transformers MoE block or experts module
         (see :func:`fusedmoe.integrations.loading.from_hf`)."""
-        from .integrations.loading import from_hf
+        from .integrations.convert import build_from_hf  # lazily: the core imports no integration (test_layout)
 
-        return from_hf(module, cls=cls, **kwargs)
+        return build_from_hf(cls, module, **kwargs)
 
     @classmethod
     def from_hf_state_dict(cls, state_dict, config, **kwargs) -> FusedMoE:
         """A FusedMoE from one MoE block's transformers state dict (fused or per-expert layout; see
         :func:`fusedmoe.integrations.loading.from_hf_state_dict`)."""
-        from .integrations.loading import from_hf_state_dict
+        from .integrations.convert import build_from_hf_state_dict  # as above
 
-        return from_hf_state_dict(state_dict, config, cls=cls, **kwargs)
+        return build_from_hf_state_dict(cls, state_dict, config, **kwargs)
 
     def load_weights(
         self,

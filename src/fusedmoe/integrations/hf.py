@@ -50,12 +50,23 @@ from ..op import fused_moe_op, workspace_id
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 from ..quant import FP8_DTYPE, QuantConfig
 from ..workspace.manager import WorkspaceManager
-from .loading import HF_ACTIVATIONS, SUPPORTED_MODEL_TYPES, gpt_oss_to_fused, hf_activation, layer_kwargs
+from .convert import HF_ACTIVATIONS, SUPPORTED_MODEL_TYPES, gpt_oss_to_fused, layer_kwargs
+from .hf_quantized import is_quantized, run_quantized_experts
+from .hf_support import (
+    SERVED_DTYPES,
+    _act_kinds,
+    _activation_of,
+    _dtype_unsupported,
+    _module_activation,
+    act_fn_activation,
+    experts_unsupported,
+)
 
 __all__ = [
     "EXPERTS_IMPLEMENTATION",
     "PATCHABLE_BLOCKS",
     "FusedMoEBlock",
+    "act_fn_activation",
     "attach_workspace",
     "check_experts_implementation",
     "experts_modules",
@@ -81,9 +92,6 @@ PATCHABLE_BLOCKS = {
     "GptOssMLP": "gpt_oss",
 }
 
-#: Dtypes fusedmoe's kernels compute; other floating models run transformers' own code (with a warning).
-SERVED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 _CACHE_ATTR = "_fusedmoe_converted"
 _WARNED_ATTR = "_fusedmoe_warned"
 #: Parameters of a transformers experts module that the fused call reads (directly or converted).
@@ -92,123 +100,7 @@ _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_b
 _REGISTERED: set[str] = set()
 
 
-# ---- what fusedmoe can compute -------------------------------------------------------------------------------
-def _activation_of(experts: nn.Module) -> str:
-    """The fusedmoe activation of a transformers experts module; NotImplementedError saying why there is none."""
-    if type(experts).__name__ == "GptOssExperts":
-        if (getattr(experts, "alpha", None), getattr(experts, "limit", None)) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
-            raise NotImplementedError(
-                f"gpt-oss swiglu alpha={experts.alpha}, limit={experts.limit} differ from fusedmoe's swigluoai "
-                f"(alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT})"
-            )
-        return "swigluoai"
-    from transformers.integrations.moe import _default_apply_gate
-
-    if getattr(type(experts), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        raise NotImplementedError("a custom gate (_apply_gate) fusedmoe does not implement")
-    return _module_activation(experts)
-
-
-def _module_activation(experts: nn.Module) -> str:
-    """The fusedmoe activation of what ``experts.act_fn`` computes (what transformers' gate applies), or of
-    ``config.hidden_act`` for a module without one. The module decides, not the config: Gemma-4's experts build
-    theirs from ``hidden_activation``, LFM2-MoE's are SiLU whatever ``hidden_act`` says."""
-    act_fn = getattr(experts, "act_fn", None)
-    hidden_act = getattr(getattr(experts, "config", None), "hidden_act", None)
-    if act_fn is None:
-        return hf_activation("silu" if hidden_act is None else hidden_act)
-    try:
-        return act_fn_activation(act_fn)
-    except NotImplementedError:
-        if hidden_act is None:
-            raise
-        raise NotImplementedError(_no_kernel(act_fn, f" (hidden_act={hidden_act!r})")) from None
-
-
-#: transformers / torch activation types -> the fusedmoe activation computing the same function (exact types: a
-#: subclass may compute something else). Filled on first use (:func:`_act_kinds`).
-_ACT_KINDS: dict[type, str] = {}
-
-
-def _act_kinds() -> dict[type, str]:
-    if not _ACT_KINDS:
-        from transformers import activations as a
-
-        kinds = {
-            nn.SiLU: "silu",
-            "SiLUActivation": "silu",
-            "GELUTanh": "gelu",  # gelu_pytorch_tanh, gelu_python_tanh
-            "PytorchGELUTanh": "gelu",  # older transformers' name
-            "NewGELUActivation": "gelu",
-            "FastGELUActivation": "gelu",
-            "GELUActivation": "gelu_exact",  # gelu, gelu_python (erf)
-        }
-        for key, kind in kinds.items():
-            cls = getattr(a, key, None) if isinstance(key, str) else key
-            if isinstance(cls, type):
-                _ACT_KINDS[cls] = kind
-    return _ACT_KINDS
-
-
-def act_fn_activation(act_fn: object) -> str:
-    """The fusedmoe activation computing what the callable ``act_fn`` computes (a transformers ``ACT2FN`` module,
-    ``nn.SiLU`` / ``nn.GELU``, ``F.silu`` / ``F.gelu``); NotImplementedError naming it when fusedmoe has none."""
-    kind = _act_kinds().get(type(act_fn))
-    if kind is not None:
-        return kind
-    if type(act_fn) is nn.GELU:
-        return "gelu" if act_fn.approximate == "tanh" else "gelu_exact"
-    if act_fn is F.silu:
-        return "silu"
-    if act_fn is F.gelu:
-        return "gelu_exact"
-    if isinstance(act_fn, functools.partial) and act_fn.func is F.gelu and not act_fn.args:
-        if act_fn.keywords in ({}, {"approximate": "none"}):
-            return "gelu_exact"
-        if act_fn.keywords == {"approximate": "tanh"}:
-            return "gelu"
-    raise NotImplementedError(_no_kernel(act_fn))
-
-
-def _no_kernel(act_fn: object, note: str = "") -> str:
-    name = getattr(act_fn, "__name__", type(act_fn).__name__)
-    return f"the experts' activation {name}{note} has no fusedmoe kernel (SiLU and GELU have)"
-
-
-def experts_unsupported(experts: nn.Module) -> str | None:
-    """Why fusedmoe cannot compute the transformers experts module ``experts`` exactly, or None when it can.
-
-    Checks what a weight's dtype does not decide: gating, norms, layout, expert parallelism, activation."""
-    if getattr(experts, "has_post_expert_norm", False):
-        return "post-expert norms are not supported"
-    if not getattr(experts, "has_gate", True):
-        return "ungated experts are not supported"
-    if getattr(experts, "_is_expert_parallel", False):
-        return "transformers' expert parallelism is not supported (use fusedmoe's ep_group)"
-    dtype = getattr(getattr(experts, "gate_up_proj", None), "dtype", None)
-    if dtype is not None and dtype not in (*SERVED_DTYPES, torch.float64):
-        return f"expert weights of dtype {dtype} (quantized) are not supported through transformers"
-    standard = getattr(experts, "is_concatenated", True) and not getattr(experts, "is_transposed", False)
-    gpt_oss = (
-        getattr(experts, "is_transposed", False)
-        and not getattr(experts, "is_concatenated", True)
-        and getattr(experts, "has_bias", False)
-    )
-    if not (standard or gpt_oss):
-        return "weight layout not supported (concatenated [E, 2I, H] or gpt-oss's interleaved, transposed one)"
-    try:
-        _activation_of(experts)
-    except NotImplementedError as err:
-        return str(err)
-    return None
-
-
-def _dtype_unsupported(dtype: torch.dtype) -> str | None:
-    if dtype in SERVED_DTYPES:
-        return None
-    return f"{dtype} is not computed by fusedmoe's kernels (float32, float16, bfloat16); transformers' code runs it"
-
-
+# ---- what fusedmoe can compute (of one experts module: hf_support) -----------------------------------------
 def _warn_once(module: nn.Module, what: str, reason: str) -> None:
     warned = module.__dict__.setdefault(_WARNED_ATTR, set())
     if reason not in warned:
@@ -455,9 +347,7 @@ def fusedmoe_experts_forward(
     A module fusedmoe cannot compute (float64, or a module changed after the implementation was selected) runs
     the experts class's own forward instead, with a warning naming the module and the reason. A module whose
     weights :func:`fusedmoe.integrations.hf_quant.quantize_experts` quantized runs its quantized weights."""
-    if self.__dict__.get("_fusedmoe_quant") is not None:
-        from .hf_quant import run_quantized_experts
-
+    if is_quantized(self):
         return run_quantized_experts(self, hidden_states, top_k_index, top_k_weights)
     activation, reason = _experts_verdict(self, hidden_states.dtype)
     if reason is not None:

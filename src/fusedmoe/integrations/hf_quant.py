@@ -23,11 +23,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..api import fused_moe
-from ..op import fused_moe_op
-from ..quant import FP8_DTYPE, QuantConfig, dequantize_weight, quantize_weights, quantized_layout
+from ..quant import QuantConfig, dequantize_weight, quantize_weights, quantized_layout
 from . import hf
-from .loading import fused_to_gpt_oss, gate_then_up, gpt_oss_to_fused
+from .convert import fused_to_gpt_oss, gpt_oss_to_fused
+from .hf_quantized import (
+    _BUFFERS,
+    QUANTIZED_ATTR,
+    _biases,
+    _quantized_tensors,
+    is_quantized,
+    run_quantized_experts,
+)
+from .hf_support import SERVED_DTYPES, experts_unsupported
 
 __all__ = [
     "QUANTIZED_ATTR",
@@ -38,19 +45,11 @@ __all__ = [
     "run_quantized_experts",
 ]
 
-#: Attribute of a quantized experts module: its QuantConfig (and, with it, the buffers below).
-QUANTIZED_ATTR = "_fusedmoe_quant"
 #: The experts implementation a quantized model runs (the same function as "fusedmoe", under its own name).
 QUANTIZED_IMPLEMENTATION = "fusedmoe_quant"
-_BUFFERS = ("fusedmoe_w1", "fusedmoe_w2", "fusedmoe_w1_scale", "fusedmoe_w2_scale")
 #: What quantize_experts changed on a module besides the buffers: QuantConfig, the float weights'
 #: requires_grad flags (restored by dequantize_experts).
 _GRAD_FLAGS_ATTR = "_fusedmoe_float_requires_grad"
-
-
-def is_quantized(experts: nn.Module) -> bool:
-    """Whether :func:`quantize_experts` holds ``experts``' weights in a quantized mode."""
-    return experts.__dict__.get(QUANTIZED_ATTR) is not None
 
 
 def _float_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,23 +62,15 @@ def _float_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return experts.gate_up_proj, experts.down_proj
 
 
-def _biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The module's own bias parameters in fusedmoe's layout (gpt-oss's gate/up interleave undone), per call."""
-    if not getattr(experts, "has_bias", False):
-        return None, None
-    b1, b2 = experts.gate_up_proj_bias, experts.down_proj_bias
-    return (gate_then_up(b1) if getattr(experts, "is_transposed", False) else b1), b2
-
-
 def _module_problem(experts: nn.Module, q: QuantConfig) -> tuple[type[Exception], str] | None:
     """(error type, reason) when ``experts`` cannot be quantized to ``q``, else None."""
-    reason = hf.experts_unsupported(experts)
+    reason = experts_unsupported(experts)
     if reason is not None:
         return NotImplementedError, reason
     if is_quantized(experts):
         return TypeError, f"already quantized ({experts.__dict__[QUANTIZED_ATTR].name})"
     w = experts.gate_up_proj
-    if w.dtype not in hf.SERVED_DTYPES:
+    if w.dtype not in SERVED_DTYPES:
         return TypeError, f"expert weights of dtype {w.dtype} (float32, float16 or bfloat16 expected)"
     if w.is_meta or "_hf_hook" in experts.__dict__:
         return NotImplementedError, "weights on the meta device or behind an accelerate hook (load them first)"
@@ -186,15 +177,6 @@ def dequantize_experts(model: nn.Module) -> int:
     return len(quantized)
 
 
-def _quantized_tensors(experts: nn.Module) -> tuple[torch.Tensor, ...]:
-    """(w1, w2, w1_scale, w2_scale) of a quantized module in the dtypes fused_moe takes (the buffers are views)."""
-    q = experts.__dict__[QUANTIZED_ATTR]
-    w1, w2, s1, s2 = (getattr(experts, n) for n in _BUFFERS)
-    if q.fp8:
-        return w1.view(FP8_DTYPE), w2.view(FP8_DTYPE), s1.view(torch.float32), s2.view(torch.float32)
-    return w1, w2, s1, s2
-
-
 def _unquantize_module(experts: nn.Module) -> None:
     q = experts.__dict__[QUANTIZED_ATTR]
     if experts.gate_up_proj.numel() == 0:  # emptied: the dequantized values back
@@ -213,37 +195,3 @@ def _unquantize_module(experts: nn.Module) -> None:
         delattr(experts, name)
     for attr in (QUANTIZED_ATTR, _GRAD_FLAGS_ATTR, "_fusedmoe_verdicts"):
         experts.__dict__.pop(attr, None)
-
-
-def run_quantized_experts(
-    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """transformers' experts contract for a module :func:`quantize_experts` quantized: [T, H] in hidden's
-    dtype. There is no fallback to transformers' code (the float weights may be gone): float64 hidden states
-    raise TypeError, calls that need a gradient GradientNotSupportedError."""
-    q = experts.__dict__[QUANTIZED_ATTR]
-    if hidden_states.dtype not in hf.SERVED_DTYPES:
-        raise TypeError(
-            f"{type(experts).__name__} holds {q.name} experts (quantize_experts): hidden_states must be float32, "
-            f"float16 or bfloat16, got {hidden_states.dtype}"
-        )
-    if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights
-        top_k_weights = top_k_weights.gather(1, top_k_index.long())
-    w1, w2, s1, s2 = _quantized_tensors(experts)
-    b1, b2 = _biases(experts)
-    run = fused_moe_op if torch.compiler.is_compiling() else fused_moe
-    return run(
-        hidden_states,
-        w1,
-        w2,
-        top_k_weights.float(),
-        top_k_index,
-        activation=hf._activation_of(experts),
-        quant=q,
-        w1_scale=s1,
-        w2_scale=s2,
-        w1_bias=b1,
-        w2_bias=b2,
-        workspace=getattr(experts, "_fusedmoe_workspace", None),
-        backend=getattr(experts, "_fusedmoe_backend", "auto"),
-    )

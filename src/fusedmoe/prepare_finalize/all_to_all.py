@@ -34,7 +34,6 @@ experts plan for the worst case (rows past the received count are skipped by the
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +42,7 @@ from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..problem import Layout, MoEProblem
 from ..quant import FP8_DTYPE, QuantConfig
 from ..steps import step
+from ..transport import Transport
 from ..workspace.manager import Workspace
 from ..workspace.plan import BufferSpec
 from .base import PrepareFinalize
@@ -61,9 +61,6 @@ from .batched import (
     scatter_plan,
 )
 
-if TYPE_CHECKING:
-    from ..distributed import Transport
-
 
 def contiguous_expert_map(num_experts: int, rank: int, world_size: int, device=None) -> torch.Tensor:
     """int32 [num_experts]: global id -> local id on ``rank`` (contiguous partition), -1 elsewhere."""
@@ -76,7 +73,7 @@ def contiguous_expert_map(num_experts: int, rank: int, world_size: int, device=N
 
 
 class AllToAllPrepareFinalize(PrepareFinalize):
-    """Expert-parallel dispatch/combine over a :class:`~fusedmoe.distributed.Transport` (see module docs).
+    """Expert-parallel dispatch/combine over a :class:`~fusedmoe.transport.Transport` (see module docs).
 
     Args:
         transport: the collectives (``TorchDistributedTransport(group)``).
