@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "peers", False):
         env["peers"] = {}
         # the bf16 peers, and the peers that run this sweep's quantized weights
-        for name in (*peers.PEERS, *(n for n, mode in peers.QUANT_PEERS.items() if mode == args.dtype)):
+        for name in (*peers.PEERS, *peers.quant_peers(args.dtype)):
             ok, label = peers.available(name)
             env["peers"][name] = label if ok else f"absent: {label}"
             print(f"peer {name}: {env['peers'][name]}")
@@ -345,7 +345,7 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
             return None
         return peers.MAKERS[backend](x, w1, w2, k, routing)
     if backend in peers.QUANT_MAKERS:  # our quantized weights, on a peer that takes their mode
-        if not quantized or quantized["quant"].mode != peers.QUANT_PEERS[backend] or expert_map is not None:
+        if not quantized or quantized["quant"].mode not in peers.QUANT_PEERS[backend] or expert_map is not None:
             return None
         if not peers.available(backend)[0]:
             return None

@@ -16,19 +16,46 @@ Quantized peers run the very weights our quantized call runs (``make(x, quantize
 
 - ``triton_kernels_mxfp4``: triton_kernels' w4a16 path (MXFP4 weights in its Hopper value and scale layouts, bf16
   activations), the one transformers runs gpt-oss through; the same SwiGLU bias as the bf16 adapter.
+- ``vllm_fp8``: vLLM's fp8 w8a8 Triton MoE GEMM (``fused_moe_kernel``), its host launch and its tuned config tables,
+  run from the unmodified files of one vLLM wheel in ``.peers/vllm-VERSION/`` (``scripts/fetch-peers``), no vLLM
+  installed: see :func:`load_vllm_fused_moe` for how, and :func:`vllm_fp8_experts` for what else the layer runs.
 """
 
 from __future__ import annotations
 
+import ast
+import base64
+import builtins
+import csv
+import functools
+import hashlib
 import importlib
 import importlib.metadata
+import logging
+import os
+import re
+import sys
+import types
+from pathlib import Path
 
 import torch
 
 #: Peers in the order they are listed.
 PEERS = ("vllm", "triton_kernels", "grouped_mm")
-#: Peers of a quantized sweep that run our quantized weights: name -> the weight mode they take.
-QUANT_PEERS = {"triton_kernels_mxfp4": "mxfp4"}
+#: The fp8 weight modes of the vllm_fp8 peer (vLLM's fp8_w8a8 per tensor, per channel x per token, and in blocks).
+VLLM_FP8_MODES = ("fp8_tensor", "fp8_token", "fp8_block")
+#: Peers of a quantized sweep that run our quantized weights: name -> the weight modes they take.
+QUANT_PEERS = {"triton_kernels_mxfp4": ("mxfp4",), "vllm_fp8": VLLM_FP8_MODES}
+
+
+def quant_peers(dtype: str) -> list[str]:
+    """The quantized peers that take the weights of a ``--quant dtype`` sweep (none for bf16)."""
+    if dtype == "bf16":
+        return []
+    from ...quant import QuantConfig
+
+    mode = QuantConfig.parse(dtype).mode
+    return [name for name, modes in QUANT_PEERS.items() if mode in modes]
 
 
 def _version(dist: str) -> str:
@@ -44,6 +71,13 @@ def available(name: str) -> tuple[bool, str]:
         from .baselines import grouped_mm_available
 
         return (True, f"torch {torch.__version__}") if grouped_mm_available() else (False, "needs sm90+")
+    if name == "vllm_fp8":
+        try:
+            root = vllm_peer_folder()
+            load_vllm_fused_moe(str(root))
+        except Exception as exc:  # no .peers, a file missing or changed, a vLLM import the stand-ins lack
+            return False, f"{type(exc).__name__}: {exc}"[:300]
+        return True, f"vLLM {root.name.removeprefix('vllm-')} fused_moe_kernel, unmodified files from {root}"
     modules = {
         "vllm": ["vllm.model_executor.layers.fused_moe"],
         "triton_kernels": ["triton_kernels.matmul_ogs"],
@@ -185,6 +219,484 @@ def make_triton_kernels_mxfp4(x, quantized: dict, top_k: int, routing: dict):
     return _triton_kernels_layer(x, w1, w2, bias, top_k, sm_first, (pc1, pc2), {"split_k": 1})
 
 
+# ---- vllm_fp8: vLLM's fp8 Triton MoE kernel, run from its wheel's files in .peers ------------------------------
+#
+# vLLM cannot be installed where the benchmarks run (no registry; its wheel is ~240 MB and its compiled extension is
+# built for one torch), and importing its fused_moe module pulls in most of vLLM (the package's __init__ imports the
+# layer, the distributed state, psutil, ...). So the peer executes the wheel's fused_moe.py itself, unmodified, as a
+# module of its own: its kernels, its host launch (``invoke_fused_moe_triton_kernel``: grid, strides, SWAP_AB, the
+# TMA descriptor of B) and its config-table lookup (``try_get_optimal_moe_config``, the tables beside the file) run
+# as vLLM's code. Its ``import`` statements resolve to the stand-ins of :func:`_vllm_stand_ins`: the few vLLM helper
+# functions that launch calls, taken from their own files in the wheel; the platform and environment answered as
+# vLLM answers them on this GPU with its defaults; our alignment op in place of vLLM's compiled one; everything else
+# (compiled ops, the paths of fused_experts the peer does not run) raising if touched.
+
+#: Environment variable naming the peers folder (default: a ``.peers`` folder on ``sys.path``, in the working
+#: directory, or at the root of this checkout).
+PEERS_DIR_ENV = "FUSEDMOE_PEERS_DIR"
+#: The vLLM release the vllm_fp8 peer is written against (its fused_moe.py's function signatures).
+VLLM_VERSION = "0.34.0"
+VLLM_FUSED_MOE = "vllm/model_executor/layers/fused_moe/fused_moe.py"
+VLLM_CONFIGS = "vllm/model_executor/layers/fused_moe/configs"
+#: vLLM's helper functions that fused_moe.py's launch path calls, taken from these files of the wheel as they are.
+VLLM_HELPERS = {
+    "vllm/model_executor/layers/fused_moe/utils.py": (
+        "enable_swap_ab",
+        "resolve_moe_use_td",
+        "warn_if_moe_use_td_ineffective",
+    ),
+    "vllm/utils/math_utils.py": ("next_power_of_2",),
+    "vllm/utils/platform_utils.py": ("get_device_name_as_file_name",),
+    "vllm/triton_utils/allocation.py": ("set_triton_allocator",),
+}
+#: Every file the peer reads (wheel paths; scripts/fetch-peers copies the same list).
+VLLM_PEER_FILES = (VLLM_FUSED_MOE, f"{VLLM_CONFIGS}/*.json", *VLLM_HELPERS)
+#: vLLM's settings (vllm.envs) the launch path reads, at vLLM's defaults: no batch-invariant mode, no tuned-config
+#: folder of the user's, the tensor-descriptor gather left to the platform (off on CUDA).
+VLLM_ENVS = {"VLLM_BATCH_INVARIANT": False, "VLLM_TUNED_CONFIG_FOLDER": None, "VLLM_TRITON_USE_TD": None}
+
+
+def peers_folders() -> list[Path]:
+    """Where a ``.peers`` folder is looked for, in order (only the one of ``FUSEDMOE_PEERS_DIR`` when it is set)."""
+    if os.environ.get(PEERS_DIR_ENV):
+        return [Path(os.environ[PEERS_DIR_ENV])]
+    found = [Path(p) for p in sys.path if p and Path(p).name == ".peers"]
+    found += [Path.cwd() / ".peers", Path(__file__).resolve().parents[4] / ".peers"]
+    return list(dict.fromkeys(p.resolve() for p in found))
+
+
+def vllm_peer_folder() -> Path:
+    """The ``vllm-VERSION`` folder of the first peers folder that has one (``VLLM_VERSION`` preferred);
+    FileNotFoundError saying what is missing otherwise."""
+    looked = peers_folders()
+    existing = [p for p in looked if p.is_dir()]
+    if not existing:
+        raise FileNotFoundError(f"no .peers folder ({', '.join(map(str, looked))}); scripts/fetch-peers fills one")
+    for folder in existing:
+        versions = sorted(folder.glob("vllm-*[0-9]"), key=lambda p: [int(n) for n in re.findall(r"\d+", p.name)])
+        pinned = folder / f"vllm-{VLLM_VERSION}"
+        if versions:
+            return pinned if pinned in versions else versions[-1]
+    raise FileNotFoundError(f"{existing[0]} has no vllm-VERSION folder; scripts/fetch-peers writes vllm-{VLLM_VERSION}")
+
+
+def _record_digest(data: bytes) -> str:
+    """sha256 as a wheel's RECORD writes it."""
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def check_vllm_files(root: Path) -> None:
+    """Raise unless every file the peer reads is under ``root`` with the sha256 the wheel's RECORD lists for it (the
+    config tables: every ``*.json`` there, so a table added or edited by hand is refused too)."""
+    records = sorted(root.glob("vllm-*.dist-info/RECORD"))
+    if not records:
+        raise FileNotFoundError(f"{root} has no vllm-*.dist-info/RECORD to check its files against")
+    with open(records[0], newline="") as f:
+        record = {row[0]: row[1] for row in csv.reader(f) if len(row) >= 2}
+    configs = sorted(p.relative_to(root).as_posix() for p in (root / VLLM_CONFIGS).glob("*.json"))
+    for rel in (VLLM_FUSED_MOE, *VLLM_HELPERS, *configs):
+        path = root / rel
+        if not path.is_file():
+            raise FileNotFoundError(f"missing {path}")
+        if record.get(rel) != _record_digest(path.read_bytes()):
+            raise ValueError(f"{path} is not the file the wheel ships (its sha256 differs from {records[0].name})")
+
+
+@functools.cache
+def load_vllm_fused_moe(root: str, verify: bool = True) -> types.ModuleType:
+    """The wheel's fused_moe.py under ``root`` (a ``vllm-VERSION`` folder), executed unmodified as a module of its
+    own whose vLLM imports are :func:`_vllm_stand_ins` (its other imports, torch, triton and the standard library,
+    are the real ones). ``__file__`` is the file's own path, so its config lookup reads the tables beside it.
+    ``verify``: check the files against the wheel's RECORD first (:func:`check_vllm_files`)."""
+    path = Path(root) / VLLM_FUSED_MOE
+    if verify:
+        check_vllm_files(Path(root))
+    stand_ins = _vllm_stand_ins(Path(root))
+    module = types.ModuleType("fusedmoe_peers.vllm_fused_moe", "vLLM's fused_moe.py, run by the vllm_fp8 peer")
+    module.__file__ = str(path)
+    module.__builtins__ = stand_ins.builtins
+    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
+    return module
+
+
+class _StandIns:
+    """The modules a vLLM file's ``import vllm...`` statements get (:meth:`add`: dotted name -> a module, or the
+    attributes of one; the parents of a name are plain modules holding their children). An import of any other
+    vLLM module raises ImportError naming it (a newer fused_moe.py may need more); other imports are Python's.
+    ``builtins``: the builtins of code run with these imports."""
+
+    def __init__(self):
+        self.modules: dict[str, types.ModuleType] = {"vllm": types.ModuleType("vllm")}
+        self.known: set[str] = set()
+        self.builtins = dict(builtins.__dict__, __import__=self.import_)
+
+    def add(self, modules: dict) -> None:
+        for name in sorted(modules, key=lambda n: n.count(".")):
+            parts = name.split(".")
+            for i in range(2, len(parts) + 1):
+                node, parent = ".".join(parts[:i]), self.modules[".".join(parts[: i - 1])]
+                if i == len(parts) and isinstance(modules[name], types.ModuleType):
+                    self.modules[node] = modules[name]
+                elif node not in self.modules:
+                    self.modules[node] = types.ModuleType(node)
+                setattr(parent, parts[i - 1], self.modules[node])
+            if not isinstance(modules[name], types.ModuleType):
+                self.modules[name].__dict__.update(modules[name])
+            self.known.add(name)
+
+    def import_(self, name, globals=None, locals=None, fromlist=(), level=0):
+        if level or not (name == "vllm" or name.startswith("vllm.")):
+            return builtins.__import__(name, globals, locals, fromlist, level)
+        if name not in self.known:
+            raise ImportError(f"{name} is not among the vllm_fp8 peer's stand-ins (0.34.0's fused_moe.py imports less)")
+        module = self.modules[name]
+        for attr in fromlist or ():
+            if attr not in module.__dict__:
+                raise ImportError(f"the vllm_fp8 peer's stand-in {name} has no {attr}")
+        return module if fromlist else self.modules["vllm"]
+
+
+class _NotRun(types.ModuleType):
+    """A vLLM module the peer's path never uses (vLLM's compiled ops, its modular-kernel classes): any attribute
+    raises, naming it."""
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise NotImplementedError(f"{self.__name__}.{attr}: not available to the vllm_fp8 peer (not run by it)")
+
+
+def _not_run(name: str):
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"{name}: not available to the vllm_fp8 peer (not run by it)")
+
+    return call
+
+
+class _VllmLogger:
+    """vLLM's logger as far as the launch path uses it; its ``*_once`` messages (which table the config lookup
+    read, or that it fell back to its default config) are printed once each, as vLLM logs them."""
+
+    def __init__(self, name: str):
+        self._log = logging.getLogger(name)
+        self._said: set[str] = set()
+
+    def _once(self, msg, *args, **kwargs):
+        text = msg % args if args else msg
+        if text not in self._said:
+            self._said.add(text)
+            print(f"peer vllm_fp8 (vLLM log): {text}", flush=True)
+
+    info_once = warning_once = _once
+
+    def debug(self, msg, *args, **kwargs):
+        self._log.debug(msg, *args)
+
+    def info(self, msg, *args, **kwargs):
+        self._log.info(msg, *args)
+
+    def warning(self, msg, *args, **kwargs):
+        self._log.warning(msg, *args)
+
+
+class VllmPlatform:
+    """vLLM's ``current_platform`` as the launch path queries it, answered from torch for the current CUDA device
+    with the semantics of vLLM's ``Platform``: a capability is compared as a ``(major, minor)`` tuple or as the
+    integer ``10 * major + minor``; a "family" is the major version. ``capability`` / ``device_name`` override the
+    device's (tests: the Hopper branches under the CPU interpreter)."""
+
+    def __init__(self, capability: tuple[int, int] | None = None, device_name: str | None = None):
+        self.capability, self.device_name = capability, device_name
+
+    def get_device_capability(self, device_id: int = 0) -> tuple[int, int] | None:
+        if self.capability is not None:
+            return tuple(self.capability)
+        return torch.cuda.get_device_capability(device_id) if torch.cuda.is_available() else None
+
+    def _as_int(self, device_id: int) -> int | None:
+        cap = self.get_device_capability(device_id)
+        return None if cap is None else 10 * cap[0] + cap[1]
+
+    def has_device_capability(self, capability, device_id: int = 0) -> bool:
+        cap = self.get_device_capability(device_id)
+        if cap is None:
+            return False
+        return cap >= capability if isinstance(capability, tuple) else self._as_int(device_id) >= capability
+
+    def is_device_capability(self, capability, device_id: int = 0) -> bool:
+        cap = self.get_device_capability(device_id)
+        if cap is None:
+            return False
+        return cap == capability if isinstance(capability, tuple) else self._as_int(device_id) == capability
+
+    def is_device_capability_family(self, capability: int, device_id: int = 0) -> bool:
+        cap = self._as_int(device_id)
+        return cap is not None and cap // 10 == capability // 10
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        if self.device_name:
+            return self.device_name
+        return torch.cuda.get_device_name(device_id) if torch.cuda.is_available() else "cpu"
+
+    def is_cuda(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is None
+
+    def is_rocm(self) -> bool:
+        return torch.cuda.is_available() and torch.version.hip is not None
+
+    def is_cuda_alike(self) -> bool:
+        return torch.cuda.is_available()
+
+    def is_xpu(self) -> bool:
+        return False
+
+    def fp8_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn
+
+
+#: The platform the loaded module sees (tests set its overrides).
+VLLM_PLATFORM = VllmPlatform()
+
+
+def vllm_functions(path: Path, names, namespace: dict) -> dict:
+    """The top-level functions ``names`` of a vLLM file, executed from its source as they are (decorators
+    included) in ``namespace``, after the file's own top-level imports of anything but vLLM (those that import
+    here) and the module-level assignments of the globals the functions declare; the vLLM names they use are the
+    caller's to put in ``namespace``. Returns the namespace."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {d.name for d in defs}
+    if missing:
+        raise ImportError(f"{path} has no {sorted(missing)}")
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            imported = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            imported = [node.module]
+        else:
+            continue
+        if any(m.split(".")[0] == "vllm" for m in imported):
+            continue
+        try:
+            exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+        except ImportError:
+            pass  # not installed here: a function that needs it fails when called, naming it
+    declared = {g for d in defs for n in ast.walk(d) if isinstance(n, ast.Global) for g in n.names}
+    assigns = [
+        n for n in tree.body if isinstance(n, ast.Assign) and {getattr(t, "id", None) for t in n.targets} & declared
+    ]
+    body = sorted(assigns + defs, key=lambda n: n.lineno)
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+def _vllm_stand_ins(root: Path) -> _StandIns:
+    """The vLLM modules fused_moe.py imports, as the peer provides them (see the section's comment)."""
+    import triton
+    import triton.language as tl
+
+    envs = types.SimpleNamespace(**VLLM_ENVS)
+    stand_ins = _StandIns()  # the helpers' own imports (inside their bodies) resolve through it too
+    helpers = {}
+    for rel, names in VLLM_HELPERS.items():
+        namespace = {
+            "__builtins__": stand_ins.builtins,
+            "__name__": rel,
+            "triton": triton,
+            "tl": tl,
+            "current_platform": VLLM_PLATFORM,
+            "envs": envs,
+            "logger": _VllmLogger(rel),
+            "re": re,  # platform_utils' ``regex as re`` where regex is not installed (its pattern means the same)
+        }
+        helpers[rel] = vllm_functions(root / rel, names, namespace)
+
+    def take(rel):
+        return {n: helpers[rel][n] for n in VLLM_HELPERS[rel]}
+
+    fused = "vllm.model_executor.layers.fused_moe"
+    stand_ins.add(
+        {
+            "vllm": {"_custom_ops": _NotRun("vllm._custom_ops")},
+            "vllm.envs": envs.__dict__,
+            "vllm.logger": {"init_logger": _VllmLogger},
+            "vllm.platforms": {"current_platform": VLLM_PLATFORM},
+            "vllm.triton_utils": {"triton": triton, "tl": tl},
+            "vllm.triton_utils.allocation": take("vllm/triton_utils/allocation.py"),
+            "vllm.utils.math_utils": take("vllm/utils/math_utils.py"),
+            "vllm.utils.platform_utils": take("vllm/utils/platform_utils.py"),
+            # registering vLLM's torch op (torch.ops.vllm.fused_experts) is left out: the peer does not call it,
+            # and it would clash with an installed vLLM's
+            "vllm.utils.torch_utils": {"direct_register_custom_op": lambda *args, **kwargs: None},
+            # no config override (vLLM's get_config() is None outside its override context)
+            fused: {"get_config": lambda: None},
+            f"{fused}.modular_kernel": _NotRun(f"{fused}.modular_kernel"),
+            f"{fused}.activation": {
+                "MoEActivation": types.SimpleNamespace(SILU="silu"),
+                "apply_moe_activation": _not_run("apply_moe_activation"),
+            },
+            f"{fused}.config": {
+                "FUSED_MOE_UNQUANTIZED_CONFIG": None,
+                "FusedMoEQuantConfig": type("FusedMoEQuantConfig", (), {}),
+                "_get_config_dtype_str": _not_run("_get_config_dtype_str"),
+            },
+            f"{fused}.moe_align_block_size": {"moe_align_block_size": vllm_align_block_size},
+            f"{fused}.utils": {
+                **take("vllm/model_executor/layers/fused_moe/utils.py"),
+                "moe_kernel_quantize_input": _not_run("moe_kernel_quantize_input"),
+            },
+        }
+    )
+    return stand_ins
+
+
+def vllm_align_block_size(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+    pad_sorted_ids: bool = False,
+    ignore_invalid_experts: bool = False,
+    return_scatter_idx: bool = False,
+):
+    """vLLM's ``moe_align_block_size`` (a wrapper of its compiled op) computed by our alignment op: the same format
+    (flat slot ids grouped by expert, each expert's run padded to ``block_size`` with the sentinel
+    ``topk_ids.numel()``; the expert of each block; the padded total, int32 [1]) in buffers of vLLM's sizes:
+    ``numel + E * (block_size - 1)`` ids, or ``numel * block_size`` when there are fewer slots than experts, and
+    one expert id per ``block_size`` of those (the GEMM's grid is sized from them). Within an expert ours lists
+    the slots in order (vLLM's op need not; the GEMM's result does not depend on it); the ids past the padded
+    total, which the GEMM never reads, are left unwritten. Only the arguments the peer's path passes are taken."""
+    if expert_map is not None or pad_sorted_ids or return_scatter_idx:
+        raise NotImplementedError("the vllm_fp8 peer aligns without an expert map, padding or scatter index")
+    from ...ops.align import moe_align
+
+    n = topk_ids.numel()
+    size = n + num_experts * (block_size - 1)
+    if n < num_experts:
+        size = min(n * block_size, size)
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, num_experts, block_size)
+    return sorted_ids[:size], expert_ids[: -(-size // block_size)], num_padded
+
+
+def vllm_fp8_arguments(quantized: dict) -> dict:
+    """Our quantized weights (:func:`fusedmoe.quant.quantize_weights`) as vLLM's ``fused_experts`` takes fp8
+    w8a8 weights: the same e4m3 tensors w1 [E, 2I, H] (gate rows, then up rows, as vLLM's SiLU-and-mul splits
+    them) and w2 [E, H, I]; the same float32 scales, per tensor [E], per channel as [E, N, 1] views (vLLM's
+    layout of channel scales), in blocks [E, N / bn, K / bk]; ``per_channel_quant`` (fp8_token) and
+    ``block_shape`` [bn, bk] (fp8_block) as vLLM's flags; the static activation scales when the sweep has them."""
+    quant = quantized["quant"]
+    s1, s2 = quantized["w1_scale"], quantized["w2_scale"]
+    if quant.mode == "fp8_token":
+        s1, s2 = s1.unsqueeze(-1), s2.unsqueeze(-1)
+    return {
+        "w1": quantized["w1"],
+        "w2": quantized["w2"],
+        "w1_scale": s1,
+        "w2_scale": s2,
+        "a1_scale": quantized.get("a1_scale"),
+        "a2_scale": quantized.get("a2_scale"),
+        "per_channel_quant": quant.mode == "fp8_token",
+        "block_shape": list(quant.block_shape) if quant.mode == "fp8_block" else None,
+    }
+
+
+def vllm_fp8_experts(
+    vllm,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    per_channel_quant: bool = False,
+    block_shape: list[int] | None = None,
+) -> torch.Tensor:
+    """One SwiGLU experts layer the way vLLM 0.34.0's ``fused_experts_impl`` runs fp8 w8a8 (no expert map, router
+    weights applied in GEMM2), step for step; ``vllm`` is :func:`load_vllm_fused_moe`'s module.
+
+    vLLM's own code: the config (``try_get_optimal_moe_config``: its tuned table for (E, N = I, fp8_w8a8, block
+    shape) on this GPU, the entry of the nearest M, else its default config), the expert assignment
+    (``_prepare_expert_assignment``: one block per slot when slots * 4 <= E, else the alignment) and both GEMM
+    launches (``dispatch_fused_moe_kernel`` -> ``fused_moe_kernel``, with SWAP_AB and the TMA descriptor of B as
+    its host code chooses them).
+
+    Ours in place of vLLM's compiled ops (their CUDA source is not in the wheel; they were not compared bit for
+    bit): the alignment (:func:`vllm_align_block_size`); the fp8 activation quantization
+    (:func:`fusedmoe.ops.quantize.quantize_activation`, one launch, two for a dynamic per-tensor scale: per token
+    and 128-column group for blocks, per token for per-channel weights, per tensor otherwise, the static scale
+    when given), whose scale ``max(amax, 1e-10) / 448`` is the rule of vLLM's Triton group quantizer (which
+    multiplies by 1/448 instead of dividing: the last bit of a scale may differ); SiLU-and-mul (torch, two
+    launches: ``silu(gate)`` rounded to the activation dtype, times ``up``); the sum over the top k (torch, one
+    launch)."""
+    from ...ops.quantize import quantize_activation
+
+    compute_type = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[x.dtype]
+    compute_type = getattr(vllm.tl, compute_type)
+    mode = "fp8_block" if block_shape else "fp8_token" if per_channel_quant else "fp8_tensor"
+    group_k = block_shape[1] if block_shape else 128
+    M, top_k = topk_ids.shape
+    E, N, _ = w1.shape
+    K = w2.shape[1]
+    config = vllm.try_get_optimal_moe_config(w1.size(), w2.size(), top_k, "fp8_w8a8", M, block_shape=block_shape)
+    cache13 = torch.empty(M * top_k * max(N, K), device=x.device, dtype=x.dtype)
+    cache1 = cache13[: M * top_k * N].view(M, top_k, N)
+    cache3 = cache13[: M * top_k * K].view(M, top_k, K)
+    cache2 = torch.empty((M * top_k, N // 2), device=x.device, dtype=x.dtype)
+    out = torch.empty_like(x)
+    a1q, a1s = quantize_activation(x, mode, static_scale=a1_scale, group_k=group_k)
+    sorted_ids, expert_ids, num_padded = vllm._prepare_expert_assignment(
+        topk_ids,
+        config,
+        M,
+        top_k,
+        E,
+        None,
+        block_shape=block_shape,
+        ignore_invalid_experts=True,
+        weights_host_resident=vllm._weights_host_resident(w1, w2),
+    )
+    flags = dict(
+        compute_type=compute_type,
+        use_fp8_w8a8=True,
+        use_int8_w8a8=False,
+        use_int8_w8a16=False,
+        use_int4_w4a16=False,
+        per_channel_quant=per_channel_quant,
+        block_shape=block_shape,
+    )
+    routed = (topk_weights, sorted_ids, expert_ids, num_padded)
+    vllm.dispatch_fused_moe_kernel(a1q, w1, cache1, a1s, w1_scale, None, *routed, False, top_k, config, **flags)
+    gate_up = cache1.view(-1, N)
+    torch.mul(torch.nn.functional.silu(gate_up[:, : N // 2]), gate_up[:, N // 2 :], out=cache2)
+    a2q, a2s = quantize_activation(cache2, mode, static_scale=a2_scale, group_k=group_k)
+    vllm.dispatch_fused_moe_kernel(a2q, w2, cache3, a2s, w2_scale, None, *routed, True, 1, config, **flags)
+    return torch.sum(cache3, dim=1, out=out)
+
+
+def make_vllm_fp8(x, quantized: dict, top_k: int, routing: dict):
+    """vLLM's fp8 experts (:func:`vllm_fp8_experts`) on our fp8 weights, after :func:`fusedmoe.routing.route`; None
+    for other weight modes, and for fp8 blocks whose group does not divide H and I (vLLM's group quantizer
+    asserts it does)."""
+    from ...routing import route
+
+    quant = quantized["quant"]
+    if quant.mode not in VLLM_FP8_MODES:
+        return None
+    args = vllm_fp8_arguments(quantized)
+    if args["block_shape"] and (x.shape[1] % args["block_shape"][1] or args["w2"].shape[2] % args["block_shape"][1]):
+        return None
+    vllm = load_vllm_fused_moe(str(vllm_peer_folder()))
+
+    def call(logits):
+        w, ids = route(logits, top_k, **routing)
+        return vllm_fp8_experts(vllm, x, w, ids, **args)
+
+    return call
+
+
 def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
     from ...routing import route
     from .baselines import grouped_mm_moe
@@ -197,7 +709,7 @@ def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
 
 
 MAKERS = {"vllm": make_vllm, "triton_kernels": make_triton_kernels, "grouped_mm": make_grouped_mm}
-QUANT_MAKERS = {"triton_kernels_mxfp4": make_triton_kernels_mxfp4}
+QUANT_MAKERS = {"triton_kernels_mxfp4": make_triton_kernels_mxfp4, "vllm_fp8": make_vllm_fp8}
 
 
 def is_peer(backend: str) -> bool:
