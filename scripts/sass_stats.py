@@ -9,7 +9,9 @@ pipelining, layout conversions, tensor-core ops) and of SASS opcodes (per kernel
 pipeline stage it is unrolled into).
 Run it without ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled).
 Usage: python scripts/sass_stats.py [--variants mxfp4:64,64,128,4,3 bf16:64,64,64,4,3 ...] [--dump DIR] [--json F]
-  quant:block_m,block_n,block_k,num_warps,num_stages; quant one of bf16, mxfp4 (tl.dot_scaled), mxfp4-decode."""
+  quant:block_m,block_n,block_k,num_warps,num_stages; quant one of bf16, mxfp4 (tl.dot_scaled), mxfp4-decode,
+  mxfp4-mma (the mma layout, fusedmoe.mxfp4_layout). Also prints the K loop's own instructions (the code inside the
+  kernel's largest backward branch) and what they cost per weight element of a K tile."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fusedmoe.mxfp4_layout import padded_k  # noqa: E402
 from fusedmoe.ops.expert_gemm import MXFP4_SCALED_DOT, QUANT_CODES  # noqa: E402
 from fusedmoe.ops.grouped_gemm import _moe_gemm  # noqa: E402
 
@@ -35,11 +38,25 @@ H = I = 2880  # gpt-oss-20b
 E = 32
 TTGIR_OPS = ("async_copy_global_to_local", "convert_layout", "local_load", "warp_group_dot ", "tt.dot ", "fp4_to_fp")
 SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "STS", "PRMT", "LOP3", "SHF", "SEL", "HMUL2", "FMUL", "F2FP")
-QUANTS = {"bf16": 0, "mxfp4": MXFP4_SCALED_DOT, "mxfp4-decode": QUANT_CODES["mxfp4"]}
+QUANTS = {
+    "bf16": 0,
+    "mxfp4": MXFP4_SCALED_DOT,
+    "mxfp4-decode": QUANT_CODES["mxfp4"],
+    "mxfp4-mma": QUANT_CODES["mxfp4_mma"],
+}
 
 
-def gemm1_arguments(packed: bool) -> dict[str, int]:
-    """The integer arguments of GEMM1 (gated, [E, 2I, H] weights; ``packed``: MXFP4 bytes, two per element)."""
+def gemm1_arguments(quant: str) -> dict[str, int]:
+    """The integer arguments of GEMM1 (gated, [E, 2I, H] weights: bf16, MXFP4 bytes two per element, or the mma
+    layout's row blocks of 16 rows, 8 bytes per element of K padded to 64)."""
+    if quant == "mxfp4-mma":
+        row, rows = 8 * padded_k(H), 2 * I // 16
+        return dict(
+            N=I, K=H, top_k=4, stride_am=H, stride_ak=1, stride_we=rows * row, stride_wn=row, stride_wk=1,
+            stride_om=I, stride_on=1, stride_asm=0, stride_ask=0, stride_wse=rows * row // 16, stride_wsn=row // 16,
+            stride_wsk=1, stride_be=0, stride_bn=0,
+        )  # fmt: skip
+    packed = quant != "bf16"
     row = H // 2 if packed else H
     return dict(
         N=I, K=H, top_k=4, stride_am=H, stride_ak=1, stride_we=2 * I * row, stride_wn=row, stride_wk=1,
@@ -51,7 +68,7 @@ def gemm1_arguments(packed: bool) -> dict[str, int]:
 def compile_variant(quant: str, bm: int, bn: int, bk: int, warps: int, stages: int):
     code = QUANTS[quant]
     packed = code != 0
-    ints = gemm1_arguments(packed)
+    ints = gemm1_arguments(quant)
     pointers = {"a_ptr": "*bf16", "w_ptr": "*u8" if packed else "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
                 "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "a_scale_ptr": "*bf16",
                 "w_scale_ptr": "*u8" if packed else "*bf16", "bias_ptr": "*bf16"}  # fmt: skip
@@ -95,6 +112,26 @@ def opcode_counts(sass: str) -> collections.Counter:
     return ops
 
 
+def loop_counts(sass: str) -> collections.Counter:
+    """Opcode counts of the instructions inside the kernel's largest backward branch: its main K loop."""
+    lines = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(.*)", line)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    spans = [(int(t.group(1), 16), addr) for addr, op, rest in lines
+             if op == "BRA" and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]  # fmt: skip
+    if not spans:
+        return collections.Counter()
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    return collections.Counter(op for addr, op, _ in lines if lo <= addr <= hi)
+
+
+def weights_per_tile(quant: str, bn: int, bk: int) -> int:
+    """Weight elements a GEMM1 K tile reads: gate and up rows of BLOCK_N columns, BLOCK_K deep."""
+    return 2 * bn * bk
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="+", default=["bf16:64,64,64,4,3", "mxfp4:64,64,128,4,3",
@@ -108,6 +145,9 @@ def main() -> int:
         kernel = compile_variant(quant, *(int(t) for t in tiles.split(",")))
         ttgir, sass = kernel.asm["ttgir"], sass_of(kernel.asm["cubin"])
         ops = opcode_counts(sass)
+        loop = loop_counts(sass)
+        bm, bn, bk, warps = (int(t) for t in tiles.split(",")[:4])
+        per_weight = sum(loop.values()) * 32 * warps / weights_per_tile(quant, bn, bk)
         if opts.dump:
             os.makedirs(opts.dump, exist_ok=True)
             base = os.path.join(opts.dump, variant.replace(":", "-").replace(",", "x"))
@@ -116,8 +156,11 @@ def main() -> int:
         print(f"{variant}: shared memory {kernel.metadata.shared} B, {sum(ops.values())} SASS instructions")
         print("  TTGIR " + ", ".join(f"{o.strip()} {ttgir.count(o)}" for o in TTGIR_OPS))
         print("  SASS  " + ", ".join(f"{o} {ops[o]}" for o in SASS_OPS))
+        print(f"  loop  {sum(loop.values())} instructions per thread ({per_weight:.2f} per weight element): "
+              + ", ".join(f"{o} {loop[o]}" for o in SASS_OPS if loop[o]))  # fmt: skip
         ttgir_ops = {o.strip(): ttgir.count(o) for o in TTGIR_OPS}
-        counts[variant] = {"shared": kernel.metadata.shared, "ttgir": ttgir_ops, "sass": dict(ops)}
+        counts[variant] = {"shared": kernel.metadata.shared, "ttgir": ttgir_ops, "sass": dict(ops), "loop": dict(loop),
+                           "loop_per_weight": per_weight}  # fmt: skip
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(counts, f, indent=1)

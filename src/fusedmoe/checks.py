@@ -81,6 +81,23 @@ def _check_scale(name: str, t: torch.Tensor | None, shape: tuple[int, ...], devi
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
+def _check_mma_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device) -> None:
+    """mma-layout MXFP4: uint8 values and scale bytes of the layout's shapes, and no activation scales."""
+    want = quantized_layout(quant, w1.shape[0], H, I)
+    for name, t in (("w1", w1), ("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+        if t is None:
+            raise ValueError(f"quant='mxfp4_mma' needs {name} (uint8 {list(want[name][0])})")
+        _tensor(name, t)
+        _same_device(name, t, device)
+        if t.dtype != torch.uint8:
+            raise TypeError(f"{name} must be uint8 (fusedmoe.mxfp4_layout.to_mma_layout), got {t.dtype}")
+        if tuple(t.shape) != want[name][0]:
+            raise ValueError(f"{name} must have the mma layout's shape {list(want[name][0])}, got {list(t.shape)}")
+    for name, t in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
+        if t is not None:
+            raise ValueError(f"{name} was given but quant='mxfp4_mma' quantizes weights only (activations stay float)")
+
+
 def _check_mxfp4(w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device) -> None:
     """MXFP4 weights (packed uint8 and e8m0 scales of the logical [E, 2I, H] / [E, H, I]) and no activation
     scales."""
@@ -97,6 +114,24 @@ def _check_mxfp4(w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device) -
             raise ValueError(f"{name} was given but quant='mxfp4' quantizes weights only (activations stay float)")
 
 
+def _mma_intermediate_size(w1, w2, quant, H: int) -> int:
+    """I of mma-layout MXFP4 weights (w1 [E, 2I/16, 8 Kp(H)]: a row block per 8 columns of I), after checking that
+    both weights have the layout's shapes for H (from hidden_states) and that I."""
+    from .mxfp4 import GROUP
+
+    I = 8 * w1.shape[1]
+    if H % GROUP or I % GROUP or I == 0:
+        raise ValueError(f"quant={quant.name!r} needs H and I multiples of {GROUP}, got H={H}, I={I} (from w1)")
+    want = quantized_layout(quant, w1.shape[0], H, I)
+    for name, w in (("w1", w1), ("w2", w2)):
+        if tuple(w.shape) != want[name][0]:
+            raise ValueError(
+                f"{name} must be the mma layout {list(want[name][0])} of a weight with H={H} (from hidden_states) "
+                f"and I={I} (from w1's {w1.shape[1]} row blocks), got {list(w.shape)}"
+            )
+    return I
+
+
 def check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, device, H=None, I=None) -> None:
     """Scale tensors must match the quantization mode's shapes (see fusedmoe.quant); ``H``/``I``: the logical
     sizes (MXFP4 packs two weights per byte)."""
@@ -104,6 +139,9 @@ def check_quant_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, de
         for name, t in (("w1_scale", w1_scale), ("w2_scale", w2_scale), ("a1_scale", a1_scale), ("a2_scale", a2_scale)):
             if t is not None:
                 raise ValueError(f"{name} was given but quant is None")
+        return
+    if quant.layout == "mma":
+        _check_mma_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device)
         return
     if quant.mode == "mxfp4":
         _check_mxfp4(w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device)
@@ -171,17 +209,20 @@ def check_fused_moe_args(
         raise ValueError(f"num_experts (w1.shape[0]) must be > 0, got {E}")
     if w2.shape[0] != E:
         raise ValueError(f"w1 and w2 disagree on the number of experts: {E} vs {w2.shape[0]}")
-    packed = 2 if quant is not None and quant.mode == "mxfp4" else 1  # MXFP4: two weights per byte along K
-    what = " (MXFP4: H/2 bytes per row)" if packed == 2 else ""
-    if w1.shape[2] * packed != H:
-        raise ValueError(f"w1 must be [E, 2I, H] with H={H} (from hidden_states){what}, got {list(w1.shape)}")
-    if w2.shape[1] != H:
-        raise ValueError(f"w2 must be [E, H, I] with H={H} (from hidden_states), got {list(w2.shape)}")
-    I = w2.shape[2] * packed
-    if I <= 0 or w1.shape[1] != 2 * I:
-        raise ValueError(
-            f"w1 rows must be 2 x w2's I (gate rows then up rows): w1 {list(w1.shape)}, w2 {list(w2.shape)}"
-        )
+    if quant is not None and quant.layout == "mma":
+        I = _mma_intermediate_size(w1, w2, quant, H)
+    else:
+        packed = 2 if quant is not None and quant.mode == "mxfp4" else 1  # MXFP4: two weights per byte along K
+        what = " (MXFP4: H/2 bytes per row)" if packed == 2 else ""
+        if w1.shape[2] * packed != H:
+            raise ValueError(f"w1 must be [E, 2I, H] with H={H} (from hidden_states){what}, got {list(w1.shape)}")
+        if w2.shape[1] != H:
+            raise ValueError(f"w2 must be [E, H, I] with H={H} (from hidden_states), got {list(w2.shape)}")
+        I = w2.shape[2] * packed
+        if I <= 0 or w1.shape[1] != 2 * I:
+            raise ValueError(
+                f"w1 rows must be 2 x w2's I (gate rows then up rows): w1 {list(w1.shape)}, w2 {list(w2.shape)}"
+            )
     if quant is None and (w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype):
         raise TypeError(
             f"w1/w2 dtype ({w1.dtype}, {w2.dtype}) must match hidden_states ({hidden_states.dtype}) unless quant is set"

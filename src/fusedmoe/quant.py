@@ -11,6 +11,9 @@ Four schemes, named as the CLI and ``QuantConfig.parse`` accept them:
 - ``mxfp4``: weights only (gpt-oss): ``w1`` uint8 [E, 2I, H/2] and ``w2`` uint8 [E, H, I/2] hold two e2m1 codes
   per byte, ``w1_scale`` uint8 [E, 2I, H/32] and ``w2_scale`` uint8 [E, H, I/32] one e8m0 exponent per 32
   elements (:mod:`fusedmoe.mxfp4`); activations stay bf16/fp16/fp32 and take no scales.
+- ``mxfp4_mma`` (``QuantConfig("mxfp4", layout="mma")``): the same weights re-laid for the tensor cores
+  (:mod:`fusedmoe.mxfp4_layout`): ``w1`` [E, 2I/16, 8 Kp(H)] with gate and up rows interleaved per 8 columns,
+  ``w2`` [E, H/16, 8 Kp(I)], scales [E, 2I/16, Kp(H)/2] and [E, H/16, Kp(I)/2] (Kp: K rounded up to 64).
 """
 
 from __future__ import annotations
@@ -34,17 +37,22 @@ class QuantConfig:
         mode: one of ``QUANT_MODES``.
         static_activation_scale: ``fp8_tensor`` only: the caller passes ``a1_scale`` and ``a2_scale``.
         block_shape: ``fp8_block`` only: (block_n, block_k) of the weight scales (default 128x128).
+        layout: ``mxfp4`` only: ``"checkpoint"`` (default; the bytes as checkpoints store them) or ``"mma"``
+            (re-laid for the tensor cores by :func:`fusedmoe.mxfp4_layout.to_mma_layout`; named ``"mxfp4_mma"``).
     """
 
     mode: str
     static_activation_scale: bool = False
     block_shape: tuple[int, int] = (128, 128)
+    layout: str = "checkpoint"
 
     def __post_init__(self) -> None:
         if self.mode not in QUANT_MODES:
             raise ValueError(f"quant mode must be one of {QUANT_MODES}, got {self.mode!r}")
         if self.static_activation_scale and self.mode != "fp8_tensor":
             raise ValueError("static_activation_scale is only defined for quant mode 'fp8_tensor'")
+        if self.layout not in ("checkpoint", "mma") or (self.layout == "mma" and self.mode != "mxfp4"):
+            raise ValueError(f"layout must be 'checkpoint', or 'mma' for mode 'mxfp4', got {self.layout!r}")
         object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
 
     @classmethod
@@ -56,11 +64,21 @@ class QuantConfig:
             raise TypeError(f"quant must be a QuantConfig, a mode name or None, got {type(spec).__name__}")
         if spec == "fp8_tensor_static":
             return cls("fp8_tensor", static_activation_scale=True)
+        if spec == "mxfp4_mma":
+            return cls("mxfp4", layout="mma")
         return cls(spec)
 
     @property
     def name(self) -> str:
+        """The mode's name as :meth:`parse` takes it."""
+        if self.layout == "mma":
+            return "mxfp4_mma"
         return "fp8_tensor_static" if self.static_activation_scale else self.mode
+
+    @property
+    def kernel_mode(self) -> str:
+        """What the Triton kernels read: the mode, or ``"mxfp4_mma"`` for MXFP4 in the mma layout."""
+        return "mxfp4_mma" if self.layout == "mma" else self.mode
 
     @property
     def fp8(self) -> bool:
@@ -78,6 +96,11 @@ def quantized_layout(quant: QuantConfig, E: int, H: int, I: int) -> dict[str, tu
         if H % GROUP or I % GROUP:
             raise ValueError(f"quant='mxfp4' needs hidden and intermediate sizes divisible by {GROUP}, got {H}, {I}")
         u8 = torch.uint8
+        if quant.layout == "mma":
+            from .mxfp4_layout import mma_shapes
+
+            (v1, s1), (v2, s2) = mma_shapes(2 * I, H), mma_shapes(H, I)
+            return {"w1": ((E, *v1), u8), "w2": ((E, *v2), u8), "w1_scale": ((E, *s1), u8), "w2_scale": ((E, *s2), u8)}
         return {
             "w1": ((E, 2 * I, H // 2), u8),
             "w2": ((E, H, I // 2), u8),
@@ -147,13 +170,18 @@ def quantize_weights(
     """
     quant = QuantConfig.parse(quant)
     out = []
-    for w in (w1, w2):
+    for w, gated in ((w1, True), (w2, False)):
         if w.dim() != 3:
             raise ValueError(f"expert weights must be 3-D [E, N, K], got shape {tuple(w.shape)}")
         if quant.mode == "mxfp4":
             from .mxfp4 import quantize_mxfp4
 
-            out.append(quantize_mxfp4(w))
+            packed = quantize_mxfp4(w)
+            if quant.layout == "mma":
+                from .mxfp4_layout import to_mma_layout
+
+                packed = to_mma_layout(*packed, gated=gated)
+            out.append(packed)
             continue
         if quant.mode == "fp8_tensor":
             scale = _scale_of(w.float().abs().amax(dim=(1, 2)))
@@ -171,14 +199,27 @@ def quantize_weights(
 
 
 def dequantize_weight(
-    wq: torch.Tensor, scale: torch.Tensor, quant: QuantConfig | str, dtype: torch.dtype = torch.float32
+    wq: torch.Tensor,
+    scale: torch.Tensor,
+    quant: QuantConfig | str,
+    dtype: torch.dtype = torch.float32,
+    *,
+    K: int | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_weights` for one weight: [E, N, K] in ``dtype`` (``wq``'s shape; MXFP4: K is
-    twice its last dimension, decoded straight into ``dtype``)."""
+    twice its last dimension, decoded straight into ``dtype``). The mma layout pads K and may interleave rows: it
+    needs the weight's ``K`` and whether it is GEMM1's ``gated`` weight (gate rows, then up rows, come back)."""
     quant = QuantConfig.parse(quant)
     if quant.mode == "mxfp4":
         from .mxfp4 import dequantize_mxfp4
 
+        if quant.layout == "mma":
+            from .mxfp4_layout import from_mma_layout
+
+            if K is None:
+                raise ValueError("dequantizing an mma-layout MXFP4 weight needs its K")
+            wq, scale = from_mma_layout(wq, scale, K, gated)
         return dequantize_mxfp4(wq, scale, dtype)
     w = wq.float()
     scale = scale.float()

@@ -97,7 +97,7 @@ def fused_moe_reference(
         a = x[tok]
         if apply_router_weight_on_input:
             a = a * weights[tok, slot, None]
-        gate_up = a @ _expert_weight(w1, w1_scale, quant, e).T
+        gate_up = a @ _expert_weight(w1, w1_scale, quant, e, K=H, gated=True).T
         if b1 is not None:
             gate_up = gate_up + b1[e]
         groups.append((e, tok, slot, activation_reference(gate_up, activation)))
@@ -108,7 +108,7 @@ def fused_moe_reference(
 
     out = torch.zeros(M, H, dtype=torch.float64, device=hidden_states.device)
     for e, tok, slot, h in groups:
-        y = h @ _expert_weight(w2, w2_scale, quant, e).T
+        y = h @ _expert_weight(w2, w2_scale, quant, e, K=h.shape[1]).T
         if b2 is not None:
             y = y + b2[e]
         if not apply_router_weight_on_input:
@@ -117,16 +117,19 @@ def fused_moe_reference(
     return out
 
 
-def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, quant: QuantConfig | None, e: int) -> torch.Tensor:
+def _expert_weight(
+    w: torch.Tensor, scale: torch.Tensor | None, quant: QuantConfig | None, e: int, *, K: int, gated: bool = False
+) -> torch.Tensor:
     """Expert ``e``'s weight [N, K] in float64, dequantized with its own scales: one expert at a time, so the
-    reference holds one expert's float64 copy, not all E (gpt-oss-120b's W1 alone would take 17 GB)."""
+    reference holds one expert's float64 copy, not all E (gpt-oss-120b's W1 alone would take 17 GB). ``K`` and
+    ``gated`` (GEMM1's gate-then-up weight) place an mma-layout MXFP4 weight's padded columns and rows."""
     if quant is None:
         return w[e].to(torch.float64)
     from .quant import dequantize_weight
 
     # every scale layout leads with the expert dimension, except a per-tensor scale shared by all experts
     own = scale if scale.dim() == 0 or scale.shape[0] != w.shape[0] else scale[e : e + 1]
-    return dequantize_weight(w[e : e + 1], own, quant)[0].to(torch.float64)
+    return dequantize_weight(w[e : e + 1], own, quant, K=K, gated=gated)[0].to(torch.float64)
 
 
 def _fake_quant(x: torch.Tensor, quant: QuantConfig, static_scale: torch.Tensor | None) -> torch.Tensor:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..mxfp4 import dequantize_mxfp4
+from ..mxfp4_layout import from_mma_layout
 from ..problem import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, Layout, MoEProblem
 from ..quant import FP8_DTYPE, QuantConfig, fake_quantize_activation, per_element_scales
 from ..steps import step
@@ -97,13 +98,15 @@ def _linear(
     stage: torch.Tensor | None,
     w_scale: torch.Tensor | None = None,
     quant: QuantConfig | None = None,
+    gated: bool = False,
 ) -> None:
     """``out = a @ w.T (+ bias)`` in float32 (``a``, ``out`` float32; ``w`` [N, K] in any float dtype, e4m3 with
     this expert's scales ``w_scale`` under an fp8 ``quant``, or MXFP4 bytes [N, K/2] with their e8m0 ``w_scale``
-    [N, K/32]).
+    [N, K/32], or both in the mma layout, where ``gated`` says the rows are GEMM1's interleaved gate and up).
 
     A float32 ``w`` is used as it is; otherwise its rows are converted (fp8: dequantized; MXFP4: decoded)
-    ``W_CHUNK`` at a time into ``stage``.
+    ``W_CHUNK`` at a time into ``stage`` (mma-layout MXFP4 first back to the checkpoint layout, in a temporary of
+    one expert's bytes).
     """
     if w.dtype == torch.float32:
         if bias is None:
@@ -112,6 +115,8 @@ def _linear(
             torch.addmm(bias.float(), a, w.t(), out=out)
         return
     mxfp4 = quant is not None and quant.mode == "mxfp4"
+    if mxfp4 and quant.layout == "mma":  # back to the checkpoint layout (one expert's bytes) for the row decode
+        w, w_scale = from_mma_layout(w, w_scale, a.shape[1], gated)
     N, K = w.shape[0], 2 * w.shape[1] if mxfp4 else w.shape[1]
     for n0 in range(0, N, W_CHUNK):
         n1 = min(n0 + W_CHUNK, N)
@@ -209,7 +214,7 @@ def _gemm1(c, a_sorted, gate_up, w_stage=None):
         if hi > lo:
             b1 = x.w1_bias[e] if x.w1_bias is not None else None
             w_scale = _expert_scale(c, x.w1_scale, e)
-            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage, w_scale, c.p.quant)
+            _linear(a_sorted[lo:hi], x.w1[e], b1, gate_up[lo:hi], w_stage, w_scale, c.p.quant, gated=True)
 
 
 @step

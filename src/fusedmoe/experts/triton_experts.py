@@ -104,7 +104,7 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     """The config of ``p`` as looked up for ``m_lookup`` tokens (pin, tuned table of this device, heuristic),
     its tiles fitted to the element size and this device's shared memory."""
     q = p.quant
-    mode = q.mode if q is not None else None
+    mode = q.kernel_mode if q is not None else None
     shape = q.block_shape if (q is not None and mode == "fp8_block") else None
     on_gpu = torch.cuda.is_available()
     cfg = get_config(
@@ -115,8 +115,10 @@ def fitted_config(p: MoEProblem, m_lookup: int) -> MoEConfig:
     if mode == "mxfp4":  # a K tile holds whole 32-element scale groups
         cfg = MoEConfig(*(replace(g, block_k=max(g.block_k, MXFP4_GROUP)) for g in (cfg.gemm1, cfg.gemm2)))
     limit = _smem_limit(torch.cuda.current_device()) if on_gpu else configs.DEFAULT_SMEM
-    # outputs in the activation dtype: act, and y where it matters (a flattened persistent GEMM2, see y_dtype)
-    return fit_smem(cfg, operand_bytes(p), limit, out_bytes=p.dtype.itemsize)
+    # outputs in the activation dtype: act, and y where it matters (a flattened persistent GEMM2, see y_dtype);
+    # mma-layout MXFP4 weights: half a byte per element and a scale byte per 32
+    w_bytes = 0.5 + 1 / 32 if mode == "mxfp4_mma" else None
+    return fit_smem(cfg, operand_bytes(p), limit, out_bytes=p.dtype.itemsize, w_bytes=w_bytes)
 
 
 def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False) -> TritonLaunch:
@@ -127,7 +129,7 @@ def make_launch(p: MoEProblem, config: MoEConfig, *, ieee: bool = False) -> Trit
         config=config,
         align=ap,
         num_blocks=grid_blocks(p.slots, ap.max_blocks),
-        quant_mode=q.mode if q is not None else None,
+        quant_mode=q.kernel_mode if q is not None else None,
         static_scale=bool(q is not None and q.static_activation_scale),
         block_shape=tuple(q.block_shape) if q is not None else (128, 128),
         ieee=ieee and p.dtype == torch.float32,
@@ -331,7 +333,7 @@ class TritonExperts(Experts):
                 return f"weight dtype {p.weight_dtype} must match the activation dtype {p.dtype}"
         elif p.quant.mode == "mxfp4":
             if p.weight_dtype != torch.uint8:
-                return f"mxfp4 needs uint8 (packed) weights, got {p.weight_dtype}"
+                return f"{p.quant.name} needs uint8 (packed) weights, got {p.weight_dtype}"
             if p.H % MXFP4_GROUP or p.I % MXFP4_GROUP:
                 return f"mxfp4 needs H and I to be multiples of {MXFP4_GROUP}, got H={p.H}, I={p.I}"
         else:

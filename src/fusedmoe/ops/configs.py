@@ -142,6 +142,8 @@ def quant_suffix(quant_mode: str | None, block_shape: BlockShape | None = None) 
         return ""
     if quant_mode == "mxfp4":  # weight-only FP4 (w4a16): tables of its own, none shipped yet
         return ",dtype=mxfp4_w4a16"
+    if quant_mode == "mxfp4_mma":  # the same weights in the mma layout: another kernel, its own tables
+        return ",dtype=mxfp4_w4a16,layout=mma"
     s = ",dtype=fp8_w8a8"
     if quant_mode == "fp8_block":
         bn, bk = block_shape or (128, 128)
@@ -302,6 +304,8 @@ def heuristic_config(
     """A Hopper-minded default by average rows per expert (patterned on tuned H200 tables); ``block_shape`` does
     not change it (it is taken for the same call shape as :func:`get_config`)."""
     rows = M * top_k / max(E, 1)
+    if quant_mode == "mxfp4_mma":
+        return mma_heuristic_config(rows)
     if quant_mode == "mxfp4" and rows <= DECODE_ROWS:
         # Decode-sized MXFP4 blocks: the multiply-add K loop (no dot, so no 16-row tile mostly of padding) on one
         # row per block, narrow N tiles (more programs) and 8 warps: 64 registers per thread and no layout
@@ -351,8 +355,32 @@ def heuristic_config(
     return MoEConfig(g1, g2)
 
 
+def mma_heuristic_config(rows: float) -> MoEConfig:
+    """Tiles of mma-layout MXFP4 (weights first: a tile's weight rows are the tensor cores' M, its token rows their
+    N) by average rows per expert: BLOCK_M the next power of two in [16, 128]; 128-row weight tiles on one warpgroup
+    up to 16 rows per expert (twice the programs: a decode-sized call reads its weights from few experts), 256 on two
+    above (128 for GEMM2 at 128 rows); BLOCK_K 128 (4 stages; 3 at 128 rows). GEMM1's BLOCK_N counts output columns:
+    a tile reads their gate and up rows, twice as many."""
+    block_m = 16
+    while block_m < min(rows, 128):
+        block_m *= 2
+    if block_m <= 16:
+        return MoEConfig(GemmConfig(block_m, 64, 128, 8, 4, 4), GemmConfig(block_m, 128, 128, 8, 4, 4))
+    if block_m <= 64:
+        return MoEConfig(GemmConfig(block_m, 128, 128, 8, 8, 4), GemmConfig(block_m, 256, 128, 8, 8, 4))
+    # 128 rows: GEMM2's 256-row tile spills in its epilogue (sm90 compile), 128 rows on two warpgroups do not
+    return MoEConfig(GemmConfig(block_m, 128, 128, 8, 8, 3), GemmConfig(block_m, 128, 128, 8, 8, 3))
+
+
 def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: BlockShape | None) -> MoEConfig:
-    """Adjust a config to what the kernels require: for fp8_block, BLOCK_K divides the scale group."""
+    """Adjust a config to what the kernels require: for fp8_block, BLOCK_K divides the scale group; mma-layout
+    MXFP4 takes tiles of at least 16 rows, BLOCK_N a multiple of 16 and BLOCK_K of 64."""
+    if quant_mode == "mxfp4_mma":
+
+        def fix_mma(g: GemmConfig) -> GemmConfig:
+            return replace(g, block_m=max(g.block_m, 16), block_n=max(16, g.block_n), block_k=max(64, g.block_k))
+
+        return MoEConfig(fix_mma(cfg.gemm1), fix_mma(cfg.gemm2))
     if quant_mode != "fp8_block":
         return cfg
     gk = (block_shape or (128, 128))[1]
@@ -370,27 +398,38 @@ def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: BlockShape |
 DEFAULT_SMEM = 232448
 
 
-def smem_bytes(g: GemmConfig, elem_bytes: int, gated: bool, out_bytes: int | None = None) -> int:
+def smem_bytes(
+    g: GemmConfig, elem_bytes: int, gated: bool, out_bytes: int | None = None, w_bytes: float | None = None
+) -> int:
     """Estimated shared memory of one program of a grouped GEMM: ``num_stages`` copies of the A tile and the
-    weight tile(s) (two for GEMM1's gate and up); the epilogue reuses that space for its fp32 tile, except on a
-    flattened persistent grid (``persistent`` >= 2), where the next tile's loads are in flight while the output
-    tile (``out_bytes`` per element, default ``elem_bytes``) goes through shared memory on its way out."""
-    per_stage = (g.block_m * g.block_k + (2 if gated else 1) * g.block_k * g.block_n) * elem_bytes
+    weight tile(s) (two for GEMM1's gate and up; ``w_bytes`` per weight element, default ``elem_bytes``); the
+    epilogue reuses that space for its fp32 tile, except on a flattened persistent grid (``persistent`` >= 2), where
+    the next tile's loads are in flight while the output tile (``out_bytes`` per element, default ``elem_bytes``)
+    goes through shared memory on its way out."""
+    w_bytes = elem_bytes if w_bytes is None else w_bytes
+    per_stage = int(g.block_m * g.block_k * elem_bytes + (2 if gated else 1) * g.block_k * g.block_n * w_bytes)
     if g.persistent >= 2:
         return g.num_stages * per_stage + g.block_m * g.block_n * (out_bytes or elem_bytes)
     return max(g.num_stages * per_stage, g.block_m * g.block_n * 4)
 
 
-def fit_smem(cfg: MoEConfig, elem_bytes: int, limit: int = DEFAULT_SMEM, out_bytes: int | None = None) -> MoEConfig:
+def fit_smem(
+    cfg: MoEConfig,
+    elem_bytes: int,
+    limit: int = DEFAULT_SMEM,
+    out_bytes: int | None = None,
+    w_bytes: float | None = None,
+) -> MoEConfig:
     """Shrink tiles until both GEMMs fit in ``limit`` bytes of shared memory for ``elem_bytes``-byte operands
-    (and ``out_bytes``-byte outputs, default ``elem_bytes``: see :func:`smem_bytes`).
+    (``w_bytes`` per weight element when the weights differ; ``out_bytes``-byte outputs, default ``elem_bytes``:
+    see :func:`smem_bytes`).
 
     BLOCK_M never changes (it sizes the alignment and the plan); BLOCK_K halves first (down to 32), then stages
     drop (down to 2), then BLOCK_N and BLOCK_K halve (down to 16). A config that fits is returned unchanged.
     """
 
     def fit(g: GemmConfig, gated: bool) -> GemmConfig:
-        while smem_bytes(g, elem_bytes, gated, out_bytes) > limit:
+        while smem_bytes(g, elem_bytes, gated, out_bytes, w_bytes) > limit:
             if g.block_k > 32:
                 g = replace(g, block_k=g.block_k // 2)
             elif g.num_stages > 2:

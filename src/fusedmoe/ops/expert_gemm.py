@@ -42,9 +42,12 @@ import triton.language as tl
 from ..mxfp4 import GROUP as MXFP4_GROUP  # weight elements per e8m0 scale
 from .configs import GemmConfig
 
-QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4}
+QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4, "mxfp4_mma": 6}
 #: The kernel code of MXFP4 through ``tl.dot_scaled`` (see :func:`mxfp4_quant_code`).
 MXFP4_SCALED_DOT = 5
+#: The kernel code of mma-layout MXFP4 decoded by integer operations in float32 (the CPU interpreter, which runs no
+#: inline assembly); QUANT_CODES["mxfp4_mma"] decodes with PTX (:func:`_k_loop_mxfp4_mma`).
+MXFP4_MMA_PORTABLE = 7
 #: BLOCK_M below this is too short for a tensor-core dot: such tiles take the multiply-add K loops.
 MIN_DOT_BLOCK_M = 16
 MIN_DOT_ROWS = tl.constexpr(MIN_DOT_BLOCK_M)
@@ -112,9 +115,13 @@ def k_loop(
     (QUANT 4), else :func:`_k_loop_dense`. Tiles of fewer than 16 rows (BLOCK_M) take multiply-adds in every
     format: for MXFP4 :func:`_k_loop_mxfp4_row` (one row) or :func:`_k_loop_mxfp4` with FMA, :func:`_k_loop_fma`
     for the others. ``w_desc``: see :func:`_k_loop_dense` (only its tensor-core tiles take one). ``INTERLEAVE``
-    (gated tensor-core tiles of dense, fp8_tensor or fp8_token weights): :func:`_k_loop_gate_up`."""
+    (gated tensor-core tiles of dense, fp8_tensor or fp8_token weights): :func:`_k_loop_gate_up`. MXFP4 weights in
+    the mma layout (QUANT 6, or 7 without inline assembly): :func:`_k_loop_mxfp4_mma`, whose tile starts at output
+    column ``desc_row``."""
     fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
-    if QUANT == 5 and not fma:
+    if QUANT == 6 or QUANT == 7:
+        acc_g, acc_u = _k_loop_mxfp4_mma(a_op, w_op, scales, row_ok, expert, desc_row, BLOCK_K, GATED, IEEE, QUANT == 6)
+    elif QUANT == 5 and not fma:
         acc_g, acc_u = _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
     elif (QUANT == 4 or QUANT == 5) and row_ok.shape[0] == 1:
         acc_g, acc_u = _k_loop_mxfp4_row(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
@@ -344,6 +351,175 @@ def _k_loop_mxfp4_scaled(a_op, w_op, scales, row_ok, expert, BLOCK_K: tl.constex
         g_ptrs += HALF * stride_wk
         gs_ptrs += GROUPS * stride_wsk
     return acc_g, acc_u
+
+
+@triton.jit
+def _k_loop_mxfp4_mma(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    first_col,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    IEEE: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """:func:`k_loop` for MXFP4 weights in the mma layout (:mod:`fusedmoe.mxfp4_layout`), weights first: each K tile
+    decodes a [W_ROWS, BLOCK_K] weight tile straight into the tensor cores' A-operand registers and accumulates
+    ``acc^T += w @ a^T`` ([W_ROWS, BLOCK_M], float32); the transpose back happens once, after the loop.
+
+    ``w_op``'s pointer and strides are the layout's values [E, R, 8 Kp] (row blocks of 16 weight rows), ``scales``'
+    weight scales its [E, R, Kp / 2] bytes; ``N`` is the output width (I for GEMM1, H for GEMM2) and ``first_col``
+    the tile's first output column. A GATED tile reads 2 x BLOCK_N weight rows (row block b holds the gate rows of
+    output columns 8b..8b+7, then their up rows) and splits the accumulator into gate and up in registers; GEMM2's
+    tile reads BLOCK_N rows. Row blocks past the weight and bytes past the layout's padded K load as zeros (code
+    0). ``ASM``: decode with PTX into bf16 (one multiply per pair applies scale and bias); else integer operations
+    into float32 (the interpreter). BLOCK_K is a multiple of 64, BLOCK_M at least 16."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    BLOCK_N: tl.constexpr = offs_nw.shape[0]
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    COLS_PER_BLOCK: tl.constexpr = 8 if GATED else 16
+    RB: tl.constexpr = BLOCK_N // COLS_PER_BLOCK
+    W_ROWS: tl.constexpr = 16 * RB
+    e64 = expert.to(tl.int64)
+    rb = first_col // COLS_PER_BLOCK + tl.arange(0, RB)
+    rb_ok = (rb < N // COLS_PER_BLOCK)[:, None]
+    kp_bytes = tl.cdiv(K, 64) * 512  # the layout's bytes per row block (K padded to 64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + e64 * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_rows = w_ptr + e64 * stride_we + rb.to(tl.int64)[:, None] * stride_wn
+    s_ptrs = (
+        w_scale_ptr + e64 * stride_wse + rb.to(tl.int64)[:, None] * stride_wsn + tl.arange(0, BLOCK_K // 2)[None, :]
+    )
+    if ASM:
+        offs_b = tl.arange(0, 8 * BLOCK_K)
+        v_ptrs = w_rows + offs_b[None, :]
+    else:  # 32-bit words: the decode below works on whole words
+        offs_b = tl.arange(0, 2 * BLOCK_K)
+        v_ptrs = w_rows.to(tl.pointer_type(tl.uint32)) + offs_b[None, :]
+    acc = tl.zeros([W_ROWS, BLOCK_M], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        left = kp_bytes - kt * (8 * BLOCK_K)  # bytes of this row block from the tile's first on
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - kt * BLOCK_K)[None, :], other=0.0)
+        s = tl.load(s_ptrs, mask=rb_ok & (tl.arange(0, BLOCK_K // 2) < left // 16)[None, :], other=0)
+        if ASM:
+            v = tl.load(v_ptrs, mask=rb_ok & (offs_b < left)[None, :], other=0)
+            w = _mma_weights_ptx(v, s, W_ROWS, BLOCK_K)
+        else:
+            v = tl.load(v_ptrs, mask=rb_ok & (offs_b < left // 4)[None, :], other=0)
+            w = _mma_weights_portable(v, s, W_ROWS, BLOCK_K)
+        acc = _mma(w.to(a.dtype), a.trans(), acc, IEEE)
+        a_ptrs += BLOCK_K * stride_ak
+        v_ptrs += offs_b.shape[0]
+        s_ptrs += BLOCK_K // 2
+    # (one return: Triton checks every return of a function against the others, constexpr branches included)
+    if GATED:  # rows (block, gate/up, 8 columns) -> gate and up of the tile's BLOCK_N columns, in registers
+        t = tl.permute(tl.reshape(acc, [RB, 2, 8, BLOCK_M]), (0, 2, 3, 1))
+        acc_g, acc_u = tl.split(tl.reshape(t, [BLOCK_N, BLOCK_M, 2]))
+    else:
+        acc_g, acc_u = acc, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    return acc_g.trans(), acc_u.trans()
+
+
+@triton.jit
+def _mma_pairs_ptx(v):
+    """bf16 values times 2^-126 of the e2m1 codes in a word of 4 layout bytes (``pack=4``): the first tensor holds
+    slots 0 and 1 (each as the pair of halves 0, 1), the second slots 2 and 3 (:mod:`fusedmoe.mxfp4_layout`)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s3, e3, m3;
+        and.b32 $0, $4, 0x81C081C0;
+        shl.b32 s3, $4, 3;
+        and.b32 $1, s3, 0x81C081C0;
+        shl.b32 s3, $4, 6;
+        and.b32 $2, s3, 0x81C081C0;
+        shl.b32 s3, $4, 1;
+        shr.b32 e3, $4, 3;
+        shr.b32 m3, $4, 7;
+        and.b32 s3, s3, 0x80008000;
+        and.b32 e3, e3, 0x01800180;
+        and.b32 m3, m3, 0x00400040;
+        or.b32 s3, s3, e3;
+        or.b32 $3, s3, m3;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[v],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _mma_scales_ptx(s):
+    """bf16 2^(s - 127) of layout scale bytes ``s`` (each byte moved under bf16's exponent field), 4 per word."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        prmt.b32 $0, $2, 0, 0x5140;
+        shl.b32 $0, $0, 7;
+        prmt.b32 $1, $2, 0, 0x7362;
+        shl.b32 $1, $1, 7;
+        }""",
+        constraints="=r,=r,r",
+        args=[s],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _mma_weights_ptx(v, s, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [W_ROWS, BLOCK_K] bf16 weights of a K tile's layout bytes ``v`` [RB, 8 BLOCK_K] and scale bytes ``s``
+    [RB, BLOCK_K / 2]. The reshapes only rename registers: each thread's decoded pairs already are its operand."""
+    RB: tl.constexpr = W_ROWS // 16
+    lo, hi = _mma_pairs_ptx(v)
+    # byte (rb, kc, g, q, kt, h, t) of slot s = 2 j + h, j = which tensor -> rows (rb, h, g), columns (kc, kt, j, q, t)
+    w = tl.reshape(tl.join(lo, hi), [RB, BLOCK_K // 64, 8, 4, 4, 2, 2, 2])
+    w = tl.reshape(tl.permute(w, (0, 5, 2, 1, 4, 7, 3, 6)), [W_ROWS, BLOCK_K])
+    return w * _mma_group_scales(_mma_scales_ptx(s), W_ROWS, BLOCK_K)
+
+
+@triton.jit
+def _mma_group_scales(scale, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-element scales [W_ROWS, BLOCK_K] of a K tile's decoded scale bytes [RB, BLOCK_K / 2] (layout order
+    (rb, kc, g, u, h); one scale per row and 32 columns)."""
+    RB: tl.constexpr = W_ROWS // 16
+    sc = tl.reshape(scale, [RB, BLOCK_K // 64, 8, 2, 2])
+    sc = tl.reshape(tl.permute(sc, (0, 4, 2, 1, 3)), [W_ROWS, BLOCK_K // 32])
+    return tl.reshape(tl.broadcast_to(sc[:, :, None], [W_ROWS, BLOCK_K // 32, 32]), [W_ROWS, BLOCK_K])
+
+
+@triton.jit
+def _half_f32(x, HIGH: tl.constexpr):
+    """float32 whose bits are bf16 half ``HIGH`` of uint32 ``x`` (the bf16 widened exactly)."""
+    if HIGH:
+        bits = x & 0xFFFF0000
+    else:
+        bits = x << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma_weights_portable(words, s, W_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`_mma_weights_ptx` in float32 from the layout's uint32 ``words`` [RB, 2 BLOCK_K], by the same shifts and
+    masks in Triton integer operations (no inline assembly: runs under the CPU interpreter)."""
+    RB: tl.constexpr = W_ROWS // 16
+    s0 = words & 0x81C081C0
+    s1 = (words << 3) & 0x81C081C0
+    s2 = (words << 6) & 0x81C081C0
+    s3 = ((words << 1) & 0x80008000) | ((words >> 3) & 0x01800180) | ((words >> 7) & 0x00400040)
+    j0 = tl.join(tl.join(_half_f32(s0, False), _half_f32(s0, True)), tl.join(_half_f32(s1, False), _half_f32(s1, True)))
+    j1 = tl.join(tl.join(_half_f32(s2, False), _half_f32(s2, True)), tl.join(_half_f32(s3, False), _half_f32(s3, True)))
+    # word (rb, kc, g, q, kt) x (t, h, j) -> rows (rb, h, g), columns (kc, kt, j, q, t)
+    w = tl.reshape(tl.join(j0, j1), [RB, BLOCK_K // 64, 8, 4, 4, 2, 2, 2])
+    w = tl.reshape(tl.permute(w, (0, 6, 2, 1, 4, 7, 3, 5)), [W_ROWS, BLOCK_K])
+    scale = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    return w * _mma_group_scales(scale, W_ROWS, BLOCK_K)
 
 
 @triton.jit
@@ -695,6 +871,9 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: Gemm
     mode = num.mode
     if mode not in QUANT_CODES:
         raise ValueError(f"unknown quant_mode {mode!r}")
+    if mode == "mxfp4_mma":
+        _check_mma_operands(a, w, num, config)
+        return
     if mode == "mxfp4":
         if w.dtype != torch.uint8 or num.w_scale is None or num.w_scale.dtype != torch.uint8:
             raise TypeError("mxfp4: weights and w_scale must be uint8 (packed e2m1 pairs, e8m0 exponents)")
@@ -730,6 +909,28 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: Gemm
         raise ValueError(f"fp8_block: BLOCK_K {config.block_k} must divide the scale group {gk}")
 
 
+def _check_mma_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config: GemmConfig) -> None:
+    """mma-layout MXFP4 (:mod:`fusedmoe.mxfp4_layout`): float activations, uint8 values [E, R, 8 Kp] and scale
+    bytes [E, R, Kp / 2] with K-contiguous rows, tiles of at least 16 rows, BLOCK_N a multiple of 16 and BLOCK_K
+    of 64."""
+    s = num.w_scale
+    if w.dtype != torch.uint8 or s is None or s.dtype != torch.uint8:
+        raise TypeError("mxfp4_mma: weights and w_scale must be uint8 (mma-layout values and scale bytes)")
+    if num.a_scale is not None or not a.dtype.is_floating_point or a.dtype == torch.float8_e4m3fn:
+        raise TypeError(f"mxfp4_mma takes unquantized activations (bf16/fp16/fp32) and no a_scale, got {a.dtype}")
+    if w.dim() != 3 or w.shape[-1] % 512 or tuple(s.shape) != (*w.shape[:2], w.shape[-1] // 16):
+        raise ValueError(
+            f"mxfp4_mma: values must be [E, R, 8 Kp] and w_scale [E, R, Kp/2], got {list(w.shape)}, {list(s.shape)}"
+        )
+    if w.stride(-1) != 1 or s.stride(-1) != 1 or w.data_ptr() % 4 or any(st % 4 for st in w.stride()[:-1]):
+        raise ValueError("mxfp4_mma: values and scales must be contiguous along K, values in aligned 32-bit words")
+    if config.block_m < MIN_DOT_BLOCK_M or config.block_n % 16 or config.block_k % 64:
+        raise ValueError(
+            f"mxfp4_mma needs BLOCK_M >= {MIN_DOT_BLOCK_M}, BLOCK_N a multiple of 16 and BLOCK_K of 64, got "
+            f"{config.block_m}x{config.block_n}x{config.block_k}"
+        )
+
+
 def weight_only_fp8(a: torch.Tensor, config: GemmConfig) -> bool:
     """Whether an fp8 GEMM of activations ``a`` under ``config`` runs weight-only (w8a16): float activations,
     which only the multiply-add K loop (BLOCK_M < 16) takes unquantized."""
@@ -757,7 +958,7 @@ def scale_strides(num: Numerics) -> tuple[int, int, int, int, int]:
     a_rows, a_cols = (0, 0) if a_scale is None else (a_scale.stride(0), a_scale.stride(-1))  # None: weight-only
     if num.mode == "fp8_token":
         return a_rows, 0, w_scale.stride(0), w_scale.stride(1), 0
-    if num.mode == "mxfp4":
+    if num.mode in ("mxfp4", "mxfp4_mma"):
         return 0, 0, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
     return a_rows, a_cols, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2)
 
@@ -769,7 +970,7 @@ def weight_descriptor(w: torch.Tensor, config: GemmConfig, num: Numerics, interl
     BLOCK_K]. None (pointer loads) for the tiles that do not take one (MXFP4, fewer than 16 rows) and where the
     hardware's rules are not met: K contiguous, experts packed back to back, a 16-byte aligned base and row
     stride, a K block of at least 16 bytes."""
-    if not config.tma or num.mode == "mxfp4" or config.block_m < MIN_DOT_BLOCK_M or w.dim() != 3:
+    if not config.tma or num.mode in ("mxfp4", "mxfp4_mma") or config.block_m < MIN_DOT_BLOCK_M or w.dim() != 3:
         return None
     E, R, K = w.shape
     size = w.element_size()
@@ -801,6 +1002,17 @@ def mxfp4_quant_code(dtype: torch.dtype) -> int:
     return QUANT_CODES["mxfp4"] if os.environ.get(ENV_MXFP4_DOT) == "decode" else MXFP4_SCALED_DOT
 
 
+def _quant_code(mode: str | None, dtype: torch.dtype) -> int:
+    if mode == "mxfp4":
+        return mxfp4_quant_code(dtype)
+    return mma_quant_code() if mode == "mxfp4_mma" else QUANT_CODES[mode]
+
+
+def mma_quant_code() -> int:
+    """The kernel code of mma-layout MXFP4: the PTX decode on a GPU, the portable one under the CPU interpreter."""
+    return MXFP4_MMA_PORTABLE if os.environ.get("TRITON_INTERPRET") == "1" else QUANT_CODES["mxfp4_mma"]
+
+
 def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, activation: str | None) -> dict:
     """The constexprs and launch options every expert GEMM takes: tiles and launch settings of ``config``,
     quantization of ``num``, IEEE dots (``dtype``: the activations'), ``EVEN_K`` (``K``: the reduction length),
@@ -809,7 +1021,7 @@ def tile_meta(config: GemmConfig, num: Numerics, dtype: torch.dtype, K: int, act
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "BLOCK_K": config.block_k,
-        "QUANT": mxfp4_quant_code(dtype) if num.mode == "mxfp4" else QUANT_CODES[num.mode],
+        "QUANT": _quant_code(num.mode, dtype),
         "GROUP_N": num.block_shape[0],
         "GROUP_K": num.block_shape[1],
         "GATED": activation is not None,

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..mxfp4_layout import padded_k
 from ._util import cdiv
 from .configs import GemmConfig
 from .expert_gemm import (
@@ -298,8 +299,8 @@ def _gemm_tile(
     w_op = (w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk)
     scales = (a_scale_ptr, rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk)
     # read with w_desc only: the tile's first weight row of the flattened [E * R, K] descriptor, or its first
-    # column of the interleaved [E, N, 2, K] one
-    if INTERLEAVE:
+    # column of the interleaved [E, N, 2, K] one (and of the mma-layout MXFP4 weights, QUANT 6 and 7)
+    if INTERLEAVE or QUANT == 6 or QUANT == 7:
         desc_row = pid_n * BLOCK_N
     else:
         desc_row = (expert * (stride_we // stride_wn) + pid_n * BLOCK_N).to(tl.int32)
@@ -470,6 +471,10 @@ def moe_gemm1(
         raise ValueError(f"preact must be a row-contiguous [{out.shape[0]}, {w1.shape[1]}] of an unquantized call")
     E, two_i = w1.shape[:2]
     H, I = weight_k(w1, numerics), two_i // 2
+    if numerics.mode == "mxfp4_mma":  # [E, 2I / 16, 8 Kp]: padded K; the output gives I
+        H, I, two_i = a.shape[-1], out.shape[-1], 2 * out.shape[-1]
+        if w1.shape[1] * 16 != two_i or w1.shape[2] != 8 * padded_k(H):
+            raise ValueError(f"mxfp4_mma: w1 {tuple(w1.shape)} is not the layout of a [{two_i}, {H}] weight")
     if two_i != 2 * I or a.shape[-1] != H or out.shape[-1] != I or out.shape[0] != a.shape[0] * top_k:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, two_i))
@@ -520,6 +525,10 @@ def moe_gemm2(
     _check(a, w2, sorted_ids, block_expert, config, numerics)
     E, H = w2.shape[:2]
     I = weight_k(w2, numerics)
+    if numerics.mode == "mxfp4_mma":  # [E, H / 16, 8 Kp]: padded K; the output and activations give H and I
+        H, I = out.shape[-1], a.shape[-1]
+        if w2.shape[1] * 16 != H or w2.shape[2] != 8 * padded_k(I):
+            raise ValueError(f"mxfp4_mma: w2 {tuple(w2.shape)} is not the layout of a [{H}, {I}] weight")
     rows = sorted_ids.shape[0] if a_sorted else out.shape[0]
     if a.shape[-1] != I or out.shape[-1] != H or (a.shape[0] < rows if a_sorted else a.shape[0] != rows):
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w2 {tuple(w2.shape)}, out {tuple(out.shape)}")

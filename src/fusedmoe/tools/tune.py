@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_M = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192, 16384)
-DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block", "mxfp4")
+DTYPES = ("bf16", "fp8_tensor", "fp8_token", "fp8_block", "mxfp4", "mxfp4_mma")
 
 # (block_n, block_k, group_m, num_warps, num_stages) per BLOCK_M; GEMM1 tiles cover gate and up (two
 # accumulators), so they are half as wide as GEMM2's for the same registers.
@@ -72,6 +72,13 @@ _GEMM2 = {
     64: [(128, 64, 8, 4, 4), (256, 64, 8, 8, 3), (128, 128, 8, 4, 3), (64, 64, 8, 4, 4)],
     128: [(256, 64, 16, 8, 4), (256, 64, 16, 8, 3), (128, 64, 16, 8, 4), (128, 128, 16, 8, 3), (256, 128, 16, 8, 3)],
 }
+
+
+# mma-layout MXFP4 (weights first: a tile's weight rows are the tensor cores' M, its token rows their N), for every
+# BLOCK_M: GEMM1's BLOCK_N counts output columns (a tile reads their gate and up rows, 2 x BLOCK_N weight rows); one
+# warpgroup per 128 weight rows; BLOCK_K a multiple of 64 (the layout's chunk).
+_MMA_GEMM1 = [(64, 128, 8, 4, 4), (128, 128, 8, 8, 4), (32, 128, 8, 4, 4), (64, 256, 8, 4, 3), (128, 128, 8, 8, 3)]
+_MMA_GEMM2 = [(128, 128, 8, 4, 4), (256, 128, 8, 8, 4), (64, 128, 8, 4, 4), (128, 256, 8, 4, 3), (256, 128, 8, 8, 3)]
 
 
 class TuneError(RuntimeError):
@@ -348,14 +355,17 @@ class Target:
         """Per M: (BLOCK_M options, GEMM1 candidates per BLOCK_M, GEMM2 candidates per BLOCK_M)."""
         fp8 = self.quant is not None and self.quant.fp8
         bk_cap = self.block_shape[1] if self.block_shape else None
+        mma = self.dtype == "mxfp4_mma"
         space = {}
         for M in ms:
             bms = block_m_options(
-                M, self.k, self.E, decode_blocks=self.dtype != "bf16", scaled_k_tiles=self.dtype == "fp8_block"
-            )
-            mode = self.quant.mode if self.quant is not None else None
-            c1 = {bm: candidates(_GEMM1, bm, fp8, self.I, self.H, bk_cap, quick, mode) for bm in bms}
-            c2 = {bm: candidates(_GEMM2, bm, fp8, self.H, self.I, bk_cap, quick, mode) for bm in bms}
+                M, self.k, self.E, decode_blocks=self.dtype not in ("bf16", "mxfp4_mma"),
+                scaled_k_tiles=self.dtype == "fp8_block",
+            )  # fmt: skip
+            mode = self.quant.kernel_mode if self.quant is not None else None
+            t1, t2 = ({bm: _MMA_GEMM1 for bm in bms}, {bm: _MMA_GEMM2 for bm in bms}) if mma else (_GEMM1, _GEMM2)
+            c1 = {bm: candidates(t1, bm, fp8, self.I, self.H, bk_cap, quick, mode) for bm in bms}
+            c2 = {bm: candidates(t2, bm, fp8, self.H, self.I, bk_cap, quick, mode) for bm in bms}
             space[M] = (bms, c1, c2)
         return space
 
@@ -510,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     limit = _smem_limit(torch.cuda.current_device())
 
     def fits(t: Target, g, gemm: str) -> str | None:
-        need = smem_bytes(g, 1 if t.quant is not None and t.quant.fp8 else 2, gemm == "gemm1")  # fp8 or bf16 ones
+        w_bytes = 0.5 + 1 / 32 if t.dtype == "mxfp4_mma" else None  # packed codes and their scale bytes
+        need = smem_bytes(g, 1 if t.quant is not None and t.quant.fp8 else 2, gemm == "gemm1", w_bytes=w_bytes)
         return None if need <= limit else f"skipped: shared memory estimate {need} B > {limit} B"
 
     targets = [Target.of(name, dtype) for name in presets for dtype in dtypes]
@@ -522,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for t in targets:
         t_start = time.time()
-        mode = t.quant.mode if t.quant else None
+        mode = t.quant.kernel_mode if t.quant else None
         path = out_dir / config_file_name(t.E, t.I, device_name(), mode, t.block_shape)
         print(f"== {t.preset} {t.dtype}: E={t.E} k={t.k} H={t.H} I={t.I}", flush=True)
         if args.switches:

@@ -27,7 +27,7 @@ from .baselines import hf_experts
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 CALLS_PER_GRAPH = 10
 #: Our backends, which run the quantized weights of a quantized sweep (the others run the bf16 originals).
-OUR_BACKENDS = ("triton", "triton_op", "triton_before", "triton_heuristic")
+OUR_BACKENDS = ("triton", "triton_op", "triton_before", "triton_heuristic", "triton_mma")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,18 @@ def _weights(shape: Shape, dtype: str, device):
             quantized["a1_scale"] = torch.full((1,), 4.0 / 448, device=device)
             quantized["a2_scale"] = torch.full((1,), 4.0 / 448, device=device)
     return w1, w2, quantized
+
+
+def mma_weights(quantized: dict) -> dict:
+    """A checkpoint-layout MXFP4 sweep's weights in the mma layout (made once per sweep, kept in ``quantized``)."""
+    if "mma" not in quantized:
+        from ...mxfp4_layout import to_mma_layout
+        from ...quant import QuantConfig
+
+        v1, s1 = to_mma_layout(quantized["w1"], quantized["w1_scale"], gated=True)
+        v2, s2 = to_mma_layout(quantized["w2"], quantized["w2_scale"], gated=False)
+        quantized["mma"] = dict(w1=v1, w2=v2, quant=QuantConfig("mxfp4", layout="mma"), w1_scale=s1, w2_scale=s2)
+    return quantized["mma"]
 
 
 def _weight_bytes(quantized: dict | None) -> float:
@@ -331,7 +343,7 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
             shape.hidden,
             shape.inter,
             k,
-            quant.mode if quant else None,
+            quant.kernel_mode if quant else None,
             quant.block_shape if quant else None,
         )
 
@@ -352,6 +364,10 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
         return peers.QUANT_MAKERS[backend](x, quantized, k, routing)
     if backend == "triton_bf16":  # our bf16 call beside a quantized sweep (the weights it was quantized from)
         return _make_call("triton", shape, x, w1, w2, None, expert_map, manager) if quantized else None
+    if backend == "triton_mma":  # an MXFP4 sweep's weights re-laid for the tensor cores (fusedmoe.mxfp4_layout)
+        if not quantized or quantized["quant"].name != "mxfp4":
+            return None
+        return _make_call("triton", shape, x, w1, w2, mma_weights(quantized), expert_map, manager)
     if backend in ("triton", "triton_op", "torch"):
         if backend == "torch" and quantized:
             return None
@@ -364,7 +380,7 @@ def _make_call(backend, shape: Shape, x, w1, w2, quantized, expert_map, manager,
             backend="triton" if backend == "triton_op" else backend,
         )
         if quantized and backend != "torch":
-            kw.update({k_: v for k_, v in quantized.items() if k_ not in ("w1", "w2")})
+            kw.update({k_: v for k_, v in quantized.items() if k_ not in ("w1", "w2", "mma")})
             ww1, ww2 = quantized["w1"], quantized["w2"]
         else:
             ww1, ww2 = w1, w2
