@@ -9,6 +9,7 @@ from devices import INTERPRETING
 
 from fusedmoe import FusedMoE
 from fusedmoe.checks import GradientNotSupportedError
+from fusedmoe.mxfp4_layout import to_mma_layout
 from fusedmoe.quant import FP8_DTYPE, quantize_weights
 from fusedmoe.reference import fused_moe_reference
 
@@ -23,7 +24,8 @@ def _layer(quant, **kw):
 @pytest.mark.parametrize(
     "quant,w1,s1",
     [
-        ("mxfp4", ((E, 2 * I, H // 2), torch.uint8), ((E, 2 * I, H // 32), torch.uint8)),
+        # MXFP4 re-laid for the tensor cores (fusedmoe.mxfp4_layout): row blocks of 16, 8 bytes per column of H
+        ("mxfp4", ((E, 2 * I // 16, 8 * H), torch.uint8), ((E, 2 * I // 16, H // 2), torch.uint8)),
         ("fp8_tensor", ((E, 2 * I, H), FP8_DTYPE), ((E,), torch.float32)),
         ("fp8_token", ((E, 2 * I, H), FP8_DTYPE), ((E, 2 * I), torch.float32)),
         ("fp8_block", ((E, 2 * I, H), FP8_DTYPE), ((E, 1, 1), torch.float32)),
@@ -52,7 +54,7 @@ def test_forward_matches_the_reference_on_dequantized_weights(quant, backend):
         out = layer(x)
         tw, ids = layer.route(x)
     ref = fused_moe_reference(
-        x, layer.w1, layer.w2, tw, ids, quant=quant, w1_scale=layer.w1_scale, w2_scale=layer.w2_scale
+        x, layer.w1, layer.w2, tw, ids, quant=layer.quant, w1_scale=layer.w1_scale, w2_scale=layer.w2_scale
     )
     tol = 1e-5 if quant == "mxfp4" else 5e-2  # fp8 rounds the activations too (the reference models it)
     assert torch.isfinite(out).all() and (out.double() - ref).norm() / ref.norm() < tol
@@ -64,8 +66,14 @@ def test_forward_matches_the_reference_on_dequantized_weights(quant, backend):
 def test_load_weights_and_state_dict_round_trip():
     src = _layer("mxfp4")
     w1, w2, s1, s2 = quantize_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), "mxfp4")
-    src.load_weights(w1, w2, w1_scale=s1, w2_scale=s2)
-    assert torch.equal(src.w1, w1) and torch.equal(src.w2_scale, s2)
+    src.load_weights(w1, w2, w1_scale=s1, w2_scale=s2)  # the checkpoint's layout, re-laid once
+    assert src.quant.name == "mxfp4_mma"
+    v1, t1 = to_mma_layout(w1, s1, gated=True)
+    v2, t2 = to_mma_layout(w2, s2, gated=False)
+    assert torch.equal(src.w1, v1) and torch.equal(src.w1_scale, t1) and torch.equal(src.w2_scale, t2)
+    checkpoint_layout = _layer("mxfp4")  # a state dict in the checkpoint's layout loads into the mma layout too
+    checkpoint_layout.load_state_dict({**src.state_dict(), "w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2})
+    assert torch.equal(checkpoint_layout.w2, v2)
     dst = _layer("mxfp4")
     dst.load_state_dict(src.state_dict())
     x = torch.randn(5, H)
@@ -77,6 +85,22 @@ def test_load_weights_and_state_dict_round_trip():
         src.load_weights(w1, w2, w1_scale=s1, w2_scale=s2[..., :0])
     with pytest.raises(ValueError, match="not quantized"):
         _layer(None).load_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), w1_scale=s1)
+
+
+def test_weights_the_mma_layout_cannot_hold_keep_the_checkpoint_layout():
+    """A scale above 2^1 (byte 129) does not fit the mma layout: the layer keeps the checkpoint layout, and computes
+    the same function as the reference on it."""
+    layer = _layer("mxfp4", backend="torch")
+    w1, w2, s1, s2 = quantize_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I) * 40, "mxfp4")
+    assert int(s2.max()) > 128
+    layer.load_weights(w1, w2, w1_scale=s1, w2_scale=s2)
+    assert layer.quant.name == "mxfp4" and torch.equal(layer.w1, w1) and torch.equal(layer.w2_scale, s2)
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        out = layer(x)
+        tw, ids = layer.route(x)
+    ref = fused_moe_reference(x, w1, w2, tw, ids, quant="mxfp4", w1_scale=s1, w2_scale=s2)
+    assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
 @pytest.mark.parametrize("quant", ["mxfp4", "fp8_token", "fp8_block"])

@@ -67,7 +67,7 @@ def test_gpt_oss_mxfp4_checkpoint_from_safetensors(tmp_path):
     save_file(q, tmp_path / "model.safetensors")
     layer = from_hf_state_dict(tmp_path, cfg, prefix=PREFIX, backend="torch")
     assert layer.quant.mode == "mxfp4" and layer.w1.dtype == torch.uint8 and layer.gate.dtype == torch.float32
-    assert layer.w1.numel() == q[PREFIX + "experts.gate_up_proj_blocks"].numel()  # stored as the checkpoint stores it
+    assert layer.w1.numel() == q[PREFIX + "experts.gate_up_proj_blocks"].numel()  # re-laid: no second copy
     ref = from_hf_state_dict(f, cfg, prefix=PREFIX, backend="torch")
     x = torch.randn(11, cfg.hidden_size)
     with torch.no_grad():

@@ -41,10 +41,13 @@ class FusedMoE(nn.Module):
     layers of a model should share one. ``quant`` (a mode of :mod:`fusedmoe.quant`: "fp8_tensor",
     "fp8_token", "fp8_block" or "mxfp4") stores the experts quantized: ``w1`` / ``w2`` in the mode's dtype and
     layout plus ``w1_scale`` / ``w2_scale`` (:func:`fusedmoe.quant.quantized_layout`); activations, router and shared
-    experts stay in ``dtype``. Quantized layers run both layouts, with or without ``ep_group`` (the batched
-    layout needs the Triton backend); under ``ep_group`` the dynamic per-tensor activation scale of
-    "fp8_tensor" is each rank's, over the rows it receives, so its output differs from a single-process layer's
-    within fp8 rounding (per-token and block scales are per row: the same as a single process).
+    experts stay in ``dtype``. A standard-layout MXFP4 layer holds its experts re-laid for the tensor cores
+    (``quant`` becomes "mxfp4_mma", :mod:`fusedmoe.mxfp4_layout`): :meth:`load_weights` and ``load_state_dict`` take
+    the checkpoint's layout and re-lay it once, keeping no other copy (weights whose scales exceed 2^1, which that
+    layout cannot hold, keep the checkpoint layout). Quantized layers run both layouts, with or without
+    ``ep_group`` (the batched layout needs the Triton backend); under ``ep_group`` the dynamic per-tensor activation
+    scale of "fp8_tensor" is each rank's, over the rows it receives, so its output differs from a single-process
+    layer's within fp8 rounding (per-token and block scales are per row: the same as a single process).
     ``recompute`` (training): recompute the experts' GEMM1 output in the backward instead of keeping it from
     the forward (less memory, a slower backward; docs/training.md).
     """
@@ -128,6 +131,8 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_map", emap, persistent=False)
         El = self.num_local_experts
         self.quant = QuantConfig.parse(quant)
+        if self.quant is not None and self.quant.mode == "mxfp4" and layout == "standard":
+            self.quant = QuantConfig("mxfp4", layout="mma")  # the batched kernels read the checkpoint layout
         if self.quant is None:
             self.w1 = nn.Parameter(torch.empty(El, 2 * I, H, **factory), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(El, H, I, **factory), requires_grad=False)
@@ -173,7 +178,7 @@ class FusedMoE(nn.Module):
             if self.quant is None:
                 for p, fan_in in ((self.w1, H), (self.w2, I)):
                     p.normal_(0.0, 1.0 / math.sqrt(fan_in))
-            else:  # random float weights, quantized one expert at a time (bounds the float32 temporaries)
+            elif self.gate.device.type != "meta":  # random float weights, quantized one expert at a time
                 dev = self.gate.device
                 for e in range(self.num_local_experts):
                     w1 = torch.randn(1, 2 * I, H, device=dev) / math.sqrt(H)
@@ -534,29 +539,72 @@ class FusedMoE(nn.Module):
         """Copy full, all-expert weights (as a checkpoint holds them: w1 [E, 2I, H], w2 [E, H, I], gate [E, H])
         into this layer, keeping only this rank's experts under expert parallelism (the router gate is global).
         A quantized layer takes its quantized weights and their scales in the layouts of :mod:`fusedmoe.quant`
-        (w1 / w2 dtypes and shapes as the layer's parameters, plus ``w1_scale`` / ``w2_scale``)."""
-        E, El = self.num_experts, self.num_local_experts
+        (``w1_scale`` / ``w2_scale`` beside them; MXFP4 in the checkpoint's layout, which an mma-layout layer
+        re-lays once)."""
+        E, El, H, I = self.num_experts, self.num_local_experts, self.hidden_size, self.intermediate_size
         lo = self._parallel.rank * El if self._parallel is not None else 0
-        pairs = [("w1", w1), ("w2", w2)]
+        given = {"w1": w1, "w2": w2}
         if self.quant is not None:
-            pairs += [("w1_scale", w1_scale), ("w2_scale", w2_scale)]
+            given.update(w1_scale=w1_scale, w2_scale=w2_scale)
         elif w1_scale is not None or w2_scale is not None:
             raise ValueError("w1_scale / w2_scale were given but this layer is not quantized (quant=None)")
-        for name, full in pairs:
-            mine = getattr(self, name)
+        # what the caller passes: the parameters' layout, or for MXFP4 the checkpoint's
+        passed = QuantConfig("mxfp4") if self.quant is not None and self.quant.mode == "mxfp4" else self.quant
+        expected = quantized_layout(passed, E, H, I) if passed is not None else {}
+        for name, full in given.items():
             if full is None:
-                raise ValueError(f"{name} is required for quant={self.quant.name!r}")
-            if tuple(full.shape) != (E, *mine.shape[1:]) or full.dtype != mine.dtype:
-                raise ValueError(
-                    f"{name} must be {mine.dtype} of shape {[E, *mine.shape[1:]]}, got {full.dtype} {list(full.shape)}"
-                )
+                raise ValueError(f"{name} is required for quant={passed.name!r}")
+            shape, dtype = expected.get(name, ((E, *getattr(self, name).shape[1:]), getattr(self, name).dtype))
+            if tuple(full.shape) != shape or full.dtype != dtype:
+                raise ValueError(f"{name} must be {dtype} of shape {list(shape)}, got {full.dtype} {list(full.shape)}")
+        local = self._relaid_mxfp4({name: full[lo : lo + El] for name, full in given.items()})
         with torch.no_grad():
-            for name, full in pairs:
-                getattr(self, name).copy_(full[lo : lo + El])
+            for name, t in local.items():
+                getattr(self, name).copy_(t)
             if gate is not None:
                 if tuple(gate.shape) != tuple(self.gate.shape):
                     raise ValueError(f"gate must have shape {list(self.gate.shape)}, got {list(gate.shape)}")
                 self.gate.copy_(gate)
+
+    def _relaid_mxfp4(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` (``w1``, ``w2``, ``w1_scale``, ``w2_scale``) in this layer's MXFP4 layout: checkpoint-layout
+        weights re-laid into an mma-layout layer's, mma-layout ones back into a checkpoint-layout layer's (the
+        batched layout's), as given when they already match. Weights the mma layout cannot hold (a scale byte above
+        128) switch the layer to the checkpoint layout, where they are returned as given."""
+        if self.quant is None or self.quant.mode != "mxfp4" or tensors["w1"].shape[1:] == self.w1.shape[1:]:
+            return tensors
+        from .mxfp4_layout import from_mma_layout, to_mma_layout
+
+        if self.quant.layout != "mma":
+            w1, s1 = from_mma_layout(tensors["w1"], tensors["w1_scale"], self.hidden_size, gated=True)
+            w2, s2 = from_mma_layout(tensors["w2"], tensors["w2_scale"], self.intermediate_size, gated=False)
+            return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
+        try:
+            w1, s1 = to_mma_layout(tensors["w1"], tensors["w1_scale"], gated=True)
+            w2, s2 = to_mma_layout(tensors["w2"], tensors["w2_scale"], gated=False)
+        except ValueError as err:
+            if "scale bytes up to" not in str(err):
+                raise
+            self._keep_checkpoint_layout()
+            return tensors
+        return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
+
+    def _keep_checkpoint_layout(self) -> None:
+        """Hold MXFP4 experts in the checkpoint layout from now on (empty parameters of its shapes)."""
+        self.quant = QuantConfig("mxfp4")
+        self._verdicts.clear()
+        El, H, I = self.num_local_experts, self.hidden_size, self.intermediate_size
+        for name, (shape, wdtype) in quantized_layout(self.quant, El, H, I).items():
+            t = torch.empty(shape, dtype=wdtype, device=self.w1.device)
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # MXFP4 experts in the other layout (a converted checkpoint, or a layer of the other layout) are re-laid
+        names = [prefix + n for n in ("w1", "w2", "w1_scale", "w2_scale")]
+        if self.quant is not None and self.quant.mode == "mxfp4" and all(n in state_dict for n in names):
+            relaid = self._relaid_mxfp4({n[len(prefix) :]: state_dict[n] for n in names})
+            state_dict.update({prefix + k: v for k, v in relaid.items()})
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def shared_experts(self, x: torch.Tensor) -> torch.Tensor:
         """The dense gated MLP of the shared experts, [M, H] -> [M, H]."""

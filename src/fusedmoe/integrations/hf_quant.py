@@ -152,7 +152,18 @@ def quantize_experts(model: nn.Module, quant: QuantConfig | str = "mxfp4", *, ke
 def _quantize_module(experts: nn.Module, q: QuantConfig) -> None:
     w1, w2 = _float_weights(experts)
     with torch.no_grad():
-        tensors = quantize_weights(w1, w2, q)
+        if q.mode == "mxfp4":  # re-laid for the tensor cores where that layout holds the scales (up to 2^1)
+            tensors = quantize_weights(w1, w2, QuantConfig("mxfp4"))
+            try:
+                from ..mxfp4_layout import to_mma_layout
+
+                v1, s1 = to_mma_layout(tensors[0], tensors[2], gated=True)
+                v2, s2 = to_mma_layout(tensors[1], tensors[3], gated=False)
+                tensors, q = (v1, v2, s1, s2), QuantConfig("mxfp4", layout="mma")
+            except ValueError:
+                q = QuantConfig("mxfp4")
+        else:
+            tensors = quantize_weights(w1, w2, q)
     for name, t in zip(_BUFFERS, tensors):
         storage = torch.int32 if t.dtype == torch.float32 else torch.uint8  # a view model.to(dtype) leaves alone
         experts.register_buffer(name, t.view(storage), persistent=False)
@@ -182,7 +193,9 @@ def _unquantize_module(experts: nn.Module) -> None:
     if experts.gate_up_proj.numel() == 0:  # emptied: the dequantized values back
         dtype = experts.gate_up_proj.dtype  # follows model.to(dtype)
         w1q, w2q, s1, s2 = _quantized_tensors(experts)
-        w1, w2 = dequantize_weight(w1q, s1, q, dtype), dequantize_weight(w2q, s2, q, dtype)
+        H, I = (16 * w2q.shape[1], 8 * w1q.shape[1]) if q.layout == "mma" else (None, None)  # the layout pads K
+        w1 = dequantize_weight(w1q, s1, q, dtype, K=H, gated=True)
+        w2 = dequantize_weight(w2q, s2, q, dtype, K=I)
         if getattr(experts, "is_transposed", False):
             b1, b2 = _biases(experts)
             gate_up, _, down, _ = fused_to_gpt_oss(w1, b1, w2, b2)

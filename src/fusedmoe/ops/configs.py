@@ -359,17 +359,17 @@ def mma_heuristic_config(rows: float) -> MoEConfig:
     """Tiles of mma-layout MXFP4 (weights first: a tile's weight rows are the tensor cores' M, its token rows their
     N) by average rows per expert: BLOCK_M the next power of two in [16, 128]; 128-row weight tiles on one warpgroup
     up to 16 rows per expert (twice the programs: a decode-sized call reads its weights from few experts), 256 on two
-    above (128 for GEMM2 at 128 rows); BLOCK_K 128 (4 stages; 3 at 128 rows). GEMM1's BLOCK_N counts output columns:
-    a tile reads their gate and up rows, twice as many."""
+    above; BLOCK_K 128. What ``fusedmoe tune --dtype mxfp4_mma`` chose for gpt-oss-20b on the H200. GEMM1's BLOCK_N
+    counts output columns: a tile reads their gate and up rows, twice as many."""
     block_m = 16
     while block_m < min(rows, 128):
         block_m *= 2
     if block_m <= 16:
         return MoEConfig(GemmConfig(block_m, 64, 128, 8, 4, 4), GemmConfig(block_m, 128, 128, 8, 4, 4))
-    if block_m <= 64:
-        return MoEConfig(GemmConfig(block_m, 128, 128, 8, 8, 4), GemmConfig(block_m, 256, 128, 8, 8, 4))
-    # 128 rows: GEMM2's 256-row tile spills in its epilogue (sm90 compile), 128 rows on two warpgroups do not
-    return MoEConfig(GemmConfig(block_m, 128, 128, 8, 8, 3), GemmConfig(block_m, 128, 128, 8, 8, 3))
+    # (GEMM1 at 3 stages fits two programs per SM: the tuner's choice over 4 stages at gpt-oss-20b M = 512 and 4096)
+    return MoEConfig(
+        GemmConfig(block_m, 128, 128, 8, 8, 3), GemmConfig(block_m, 256, 128, 8, 8, 4 if block_m <= 64 else 3)
+    )
 
 
 def fit_config(cfg: MoEConfig, quant_mode: str | None, block_shape: BlockShape | None) -> MoEConfig:
