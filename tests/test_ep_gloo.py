@@ -15,6 +15,14 @@ E, K, H, I = 8, 2, 32, 32  # H, I: multiples of MXFP4's 32-element scale groups
 TOKENS = [5, 0, 7, 3]  # tokens per rank: rank 1 has none
 
 
+def _experts(layer):
+    """A layer's expert weights dequantized to float32 [E_local, 2I, H] and [E_local, H, I] (any quantized layout)."""
+    from fusedmoe.quant import dequantize_weight
+
+    w1 = dequantize_weight(layer.w1, layer.w1_scale, layer.quant, K=layer.hidden_size, gated=True)
+    return w1, dequantize_weight(layer.w2, layer.w2_scale, layer.quant, K=layer.intermediate_size)
+
+
 def _worker(rank, world, init_file, configs, queue):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -48,19 +56,23 @@ def _worker(rank, world, init_file, configs, queue):
             ep.load_weights(full.w1.data, full.w2.data, full.gate.data, **scales)
             El = E // world
             mine = slice(rank * El, (rank + 1) * El)
+            if ep.quant is not None and ep.quant.layout != full.quant.layout:
+                # MXFP4: the batched layout holds the checkpoint's bytes, the standard one the mma layout
+                shard_ok = all(torch.equal(a, b[mine]) for a, b in zip(_experts(ep), _experts(full)))
+            else:
+                shard_ok = torch.equal(ep.w1, full.w1[mine]) and torch.equal(ep.w2, full.w2[mine])
+                shard_ok = shard_ok and all(torch.equal(getattr(ep, n), s[mine]) for n, s in scales.items())
             shard_ok = (
-                torch.equal(ep.w1, full.w1[mine])
-                and torch.equal(ep.w2, full.w2[mine])
-                and all(torch.equal(getattr(ep, n), s[mine]) for n, s in scales.items())
+                shard_ok
                 and torch.equal(ep.gate, full.gate)
                 and ep.expert_map.tolist() == [g_ - rank * El if g_ // El == rank else -1 for g_ in range(E)]
             )
             out = ep(xs[rank])
             err = relative_error(out, ref) if ref.numel() else float(out.abs().sum())
-            # negative control: the shard of another rank must change the output
-            other = (rank + 1) % world
-            ep.w1.data.copy_(full.w1[other * El : (other + 1) * El])
-            ep.w2.data.copy_(full.w2[other * El : (other + 1) * El])
+            # negative control: the shard of another rank must change the output (the experts rolled by one
+            # shard, so that this rank's slice holds the next rank's)
+            shifted = {n: torch.roll(t, -El, dims=0) for n, t in (("w1", full.w1.data), ("w2", full.w2.data))}
+            ep.load_weights(shifted["w1"], shifted["w2"], **{n: torch.roll(t, -El, dims=0) for n, t in scales.items()})
             bad = ep(xs[rank])
             bad_err = relative_error(bad, ref) if ref.numel() else 1.0
             tag = (layout, backend, cap, quant)

@@ -539,8 +539,8 @@ class FusedMoE(nn.Module):
         """Copy full, all-expert weights (as a checkpoint holds them: w1 [E, 2I, H], w2 [E, H, I], gate [E, H])
         into this layer, keeping only this rank's experts under expert parallelism (the router gate is global).
         A quantized layer takes its quantized weights and their scales in the layouts of :mod:`fusedmoe.quant`
-        (``w1_scale`` / ``w2_scale`` beside them; MXFP4 in the checkpoint's layout, which an mma-layout layer
-        re-lays once)."""
+        (``w1_scale`` / ``w2_scale`` beside them; MXFP4 in the checkpoint's layout or the mma layout, re-laid once
+        into the layer's own)."""
         E, El, H, I = self.num_experts, self.num_local_experts, self.hidden_size, self.intermediate_size
         lo = self._parallel.rank * El if self._parallel is not None else 0
         given = {"w1": w1, "w2": w2}
@@ -548,8 +548,13 @@ class FusedMoE(nn.Module):
             given.update(w1_scale=w1_scale, w2_scale=w2_scale)
         elif w1_scale is not None or w2_scale is not None:
             raise ValueError("w1_scale / w2_scale were given but this layer is not quantized (quant=None)")
-        # what the caller passes: the parameters' layout, or for MXFP4 the checkpoint's
-        passed = QuantConfig("mxfp4") if self.quant is not None and self.quant.mode == "mxfp4" else self.quant
+        # what the caller passes: the parameters' layout; MXFP4 in the checkpoint's layout or in the mma layout
+        passed = self.quant
+        if passed is not None and passed.mode == "mxfp4":
+            mma = QuantConfig("mxfp4", layout="mma")
+            passed = (
+                mma if w1 is not None and w1.shape == quantized_layout(mma, E, H, I)["w1"][0] else QuantConfig("mxfp4")
+            )
         expected = quantized_layout(passed, E, H, I) if passed is not None else {}
         for name, full in given.items():
             if full is None:
