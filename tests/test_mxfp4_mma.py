@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from devices import TRITON_DEVICE_DTYPES
+from devices import INTERPRETING, TRITON_DEVICE_DTYPES
 
 from fusedmoe.mxfp4 import E2M1_VALUES, GROUP, dequantize_mxfp4, quantize_mxfp4
 from fusedmoe.mxfp4_layout import MAX_SCALE_BYTE, SLOT_BITS, from_mma_layout, mma_shapes, to_mma_layout
@@ -214,3 +214,72 @@ def _setup_one_expert(slots: int, device):
     ids = torch.zeros(slots, 1, dtype=torch.int32, device=device)
     s, b, _ = moe_align(ids, 1, CFG.block_m)
     return s, b, grid_blocks(slots, align_params(slots, 1, CFG.block_m).max_blocks)
+
+
+# ---- fused_moe on the mma layout ----------------------------------------------------------------------------------
+def _edge_case(case: str, M: int, E: int, k: int):
+    """topk ids of an edge case: random, all tokens on expert 0, top-k = E, or half the experts idle."""
+    g = torch.Generator().manual_seed(M + k)
+    if M == 0:
+        return torch.zeros(0, k, dtype=torch.int32), torch.zeros(0, k)
+    if case == "one_expert":
+        ids = torch.stack(
+            [torch.cat([torch.tensor([0]), torch.randperm(E - 1, generator=g)[: k - 1] + 1]) for _ in range(M)]
+        )
+    elif case == "idle":
+        ids = torch.stack([torch.randperm(E // 2, generator=g)[:k] for _ in range(M)])
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)])
+    return ids.to(torch.int32), torch.rand(M, k, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    "case,M,k,expert_map",
+    [("random", 9, 2, False), ("random", 0, 2, False), ("random", 1, 2, False), ("one_expert", 7, 2, False),
+     ("idle", 8, 2, False), ("random", 5, 4, False), ("random", 6, 2, True)],
+)  # fmt: skip
+def test_fused_moe_mma_matches_the_reference(backend, case, M, k, expert_map):
+    """fused_moe(quant="mxfp4_mma") against the float64 reference on the dequantized weights, over the edge grid
+    (M = 0 and 1, top-k = E, tokens all on one expert, idle experts, non-local experts of an expert map), with a
+    poisoned workspace; H = 96 and I = 96 leave masked K and N tails."""
+    if backend == "triton" and not INTERPRETING:
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    from fusedmoe import WorkspaceManager, fused_moe, quantize_weights
+    from fusedmoe.reference import fused_moe_reference
+
+    E, H, I = 4, 96, 96
+    g = torch.Generator().manual_seed(11)
+    w1, w2, s1, s2 = quantize_weights(
+        torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 8, "mxfp4_mma"
+    )
+    x = torch.randn(M, H, generator=g)
+    ids, tw = _edge_case(case, M, E, k)
+    kw = dict(quant="mxfp4_mma", w1_scale=s1, w2_scale=s2)
+    if expert_map:  # 6 global experts, experts 1 and 4 on another rank
+        emap = torch.tensor([0, -1, 1, 2, -1, 3], dtype=torch.int32)
+        ids = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(M)]).to(torch.int32) if M else ids
+        kw.update(expert_map=emap, global_num_experts=6)
+    out = fused_moe(x, w1, w2, tw, ids, backend=backend, workspace=WorkspaceManager("cpu", poison=True), **kw)
+    ref = fused_moe_reference(x, w1, w2, tw, ids, **kw)
+    assert out.shape == (M, H) and torch.isfinite(out).all()
+    if M:
+        assert (out.double() - ref).norm() / ref.norm() < 1e-5
+
+
+def test_fused_moe_refuses_wrong_mma_arguments_by_name():
+    from fusedmoe import fused_moe, quantize_weights
+
+    E, H, I = 2, 64, 32
+    w1, w2, s1, s2 = quantize_weights(torch.randn(E, 2 * I, H), torch.randn(E, H, I), "mxfp4_mma")
+    x, ids, tw = torch.randn(3, H), torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r"w2 must be the mma layout \[2, 4, 512\]"):
+        fused_moe(x, w1, w2[:, :2], tw, ids, quant="mxfp4_mma", w1_scale=s1, w2_scale=s2)
+    with pytest.raises(TypeError, match="w1_scale must be uint8"):
+        fused_moe(x, w1, w2, tw, ids, quant="mxfp4_mma", w1_scale=s1.float(), w2_scale=s2)
+    with pytest.raises(ValueError, match="w2_scale must have shape"):
+        fused_moe(x, w1, w2, tw, ids, quant="mxfp4_mma", w1_scale=s1, w2_scale=s2[..., :4])
+    with pytest.raises(ValueError, match="a1_scale was given"):
+        fused_moe(x, w1, w2, tw, ids, quant="mxfp4_mma", w1_scale=s1, w2_scale=s2, a1_scale=torch.ones(1))
+    with pytest.raises(ValueError, match="H and I multiples of 32"):
+        fused_moe(torch.randn(3, 48), w1, w2, tw, ids, quant="mxfp4_mma", w1_scale=s1, w2_scale=s2)

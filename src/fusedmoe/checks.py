@@ -70,29 +70,26 @@ def check_activation(activation: object) -> str:
     return activation  # type: ignore[return-value]
 
 
-def _check_scale(name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> None:
+def _check_scale(
+    name: str, t: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
+) -> None:
+    dt = str(dtype).removeprefix("torch.")
     if t is None:
-        raise ValueError(f"{name} is required for this quantization mode (expected float32 {list(shape)})")
+        raise ValueError(f"{name} is required for this quantization mode (expected {dt} {list(shape)})")
     _tensor(name, t)
     _same_device(name, t, device)
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dt}, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
 def _check_mma_scales(quant, w1, w2, w1_scale, w2_scale, a1_scale, a2_scale, H, I, device) -> None:
-    """mma-layout MXFP4: uint8 values and scale bytes of the layout's shapes, and no activation scales."""
+    """mma-layout MXFP4 (fusedmoe.mxfp4_layout.to_mma_layout): uint8 values and scale bytes of the layout's shapes,
+    and no activation scales."""
     want = quantized_layout(quant, w1.shape[0], H, I)
     for name, t in (("w1", w1), ("w2", w2), ("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-        if t is None:
-            raise ValueError(f"quant='mxfp4_mma' needs {name} (uint8 {list(want[name][0])})")
-        _tensor(name, t)
-        _same_device(name, t, device)
-        if t.dtype != torch.uint8:
-            raise TypeError(f"{name} must be uint8 (fusedmoe.mxfp4_layout.to_mma_layout), got {t.dtype}")
-        if tuple(t.shape) != want[name][0]:
-            raise ValueError(f"{name} must have the mma layout's shape {list(want[name][0])}, got {list(t.shape)}")
+        _check_scale(name, t, want[name][0], device, torch.uint8)
     for name, t in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
         if t is not None:
             raise ValueError(f"{name} was given but quant='mxfp4_mma' quantizes weights only (activations stay float)")
