@@ -578,20 +578,17 @@ class FusedMoE(nn.Module):
         128) switch the layer to the checkpoint layout, where they are returned as given."""
         if self.quant is None or self.quant.mode != "mxfp4" or tensors["w1"].shape[1:] == self.w1.shape[1:]:
             return tensors
-        from .mxfp4_layout import from_mma_layout, to_mma_layout
+        from .mxfp4_layout import from_mma_layout, holds_scales, to_mma_layout
 
         if self.quant.layout != "mma":
             w1, s1 = from_mma_layout(tensors["w1"], tensors["w1_scale"], self.hidden_size, gated=True)
             w2, s2 = from_mma_layout(tensors["w2"], tensors["w2_scale"], self.intermediate_size, gated=False)
             return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
-        try:
-            w1, s1 = to_mma_layout(tensors["w1"], tensors["w1_scale"], gated=True)
-            w2, s2 = to_mma_layout(tensors["w2"], tensors["w2_scale"], gated=False)
-        except ValueError as err:
-            if "scale bytes up to" not in str(err):
-                raise
+        if not (holds_scales(tensors["w1_scale"]) and holds_scales(tensors["w2_scale"])):
             self._keep_checkpoint_layout()
             return tensors
+        w1, s1 = to_mma_layout(tensors["w1"], tensors["w1_scale"], gated=True)
+        w2, s2 = to_mma_layout(tensors["w2"], tensors["w2_scale"], gated=False)
         return {"w1": w1, "w2": w2, "w1_scale": s1, "w2_scale": s2}
 
     def _keep_checkpoint_layout(self) -> None:

@@ -62,6 +62,11 @@ def mma_shapes(N: int, K: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (N // ROWS, 8 * padded_k(K)), (N // ROWS, padded_k(K) // 2)
 
 
+def holds_scales(scales: torch.Tensor) -> bool:
+    """Whether the layout can hold these e8m0 scale bytes: all at most MAX_SCALE_BYTE (reads the data)."""
+    return scales.numel() == 0 or int(scales.max()) <= MAX_SCALE_BYTE
+
+
 def _gate_up_rows(N: int, device) -> torch.Tensor:
     """Row order of a gated weight [2I, K] in the layout: per 8 output columns, their 8 gate rows then 8 up rows."""
     I = N // 2
@@ -85,7 +90,7 @@ def to_mma_layout(packed: torch.Tensor, scales: torch.Tensor, gated: bool) -> tu
     N = packed.shape[-2]
     if N % ROWS:
         raise ValueError(f"the mma layout needs a multiple of {ROWS} rows, got {N}")
-    if scales.numel() and int(scales.max()) > MAX_SCALE_BYTE:
+    if not holds_scales(scales):
         raise ValueError(
             f"the mma layout holds e8m0 scale bytes up to {MAX_SCALE_BYTE} (2^1), got {int(scales.max())}; "
             "keep such weights in the checkpoint layout (quant='mxfp4')"

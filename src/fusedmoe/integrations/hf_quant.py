@@ -153,15 +153,13 @@ def _quantize_module(experts: nn.Module, q: QuantConfig) -> None:
     w1, w2 = _float_weights(experts)
     with torch.no_grad():
         if q.mode == "mxfp4":  # re-laid for the tensor cores where that layout holds the scales (up to 2^1)
-            tensors = quantize_weights(w1, w2, QuantConfig("mxfp4"))
-            try:
-                from ..mxfp4_layout import to_mma_layout
+            from ..mxfp4_layout import holds_scales, to_mma_layout
 
+            tensors, q = quantize_weights(w1, w2, QuantConfig("mxfp4")), QuantConfig("mxfp4")
+            if holds_scales(tensors[2]) and holds_scales(tensors[3]):
                 v1, s1 = to_mma_layout(tensors[0], tensors[2], gated=True)
                 v2, s2 = to_mma_layout(tensors[1], tensors[3], gated=False)
                 tensors, q = (v1, v2, s1, s2), QuantConfig("mxfp4", layout="mma")
-            except ValueError:
-                q = QuantConfig("mxfp4")
         else:
             tensors = quantize_weights(w1, w2, q)
     for name, t in zip(_BUFFERS, tensors):
