@@ -51,6 +51,17 @@ def check_mxfp4(name: str, packed: object, scales: object, shape: tuple[int, ...
     return K
 
 
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes [..., 2n] (uint8) of packed bytes [..., n]: element 2j from byte j's low nibble, 2j + 1 from its
+    high nibble."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`unpack_codes`: codes [..., 2n] (integers in [0, 16)) as uint8 bytes [..., n]."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The [..., N, K] weight in ``dtype`` (exact in float32 and bfloat16 for scales within their range)."""
     K = check_mxfp4("packed", packed, scales)
@@ -59,7 +70,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     out = torch.empty(rows_p.shape[0], K, dtype=dtype, device=packed.device)
     for lo, hi in _row_chunks(rows_p.shape[0], K):
         p = rows_p[lo:hi]
-        codes = torch.stack((p & 15, p >> 4), dim=-1).reshape(hi - lo, K)
+        codes = unpack_codes(p)
         exps = rows_s[lo:hi].to(torch.int32) - SCALE_BIAS
         values = torch.ldexp(lut[codes.long()].unflatten(-1, (K // GROUP, GROUP)), exps.unsqueeze(-1).float())
         out[lo:hi] = values.flatten(-2)
@@ -103,7 +114,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exp = exp.clamp(-SCALE_BIAS, 255 - SCALE_BIAS)
         q = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX)
         codes = _e2m1_codes(q).flatten(-2)
-        packed[lo:hi] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        packed[lo:hi] = pack_codes(codes)
         scales[lo:hi] = (exp + SCALE_BIAS).to(torch.uint8)
     return packed.reshape(*w.shape[:-1], K // 2), scales.reshape(*w.shape[:-1], K // GROUP)
 
@@ -139,6 +150,8 @@ __all__ = [
     "check_mxfp4",
     "dequantize_mxfp4",
     "from_checkpoint_blocks",
+    "pack_codes",
     "quantize_mxfp4",
     "split_interleaved_rows",
+    "unpack_codes",
 ]

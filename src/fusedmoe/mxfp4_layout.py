@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .mxfp4 import GROUP, check_mxfp4
+from .mxfp4 import GROUP, check_mxfp4, pack_codes, unpack_codes
 
 #: Rows per block (the tensor-core operand's M) and columns per chunk of the layout.
 ROWS = 16
@@ -74,11 +74,6 @@ def _gate_up_rows(N: int, device) -> torch.Tensor:
     return torch.stack((cols, cols + I), dim=1).reshape(-1)
 
 
-def _codes(packed: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes [..., N, K] (uint8) of packed bytes [..., N, K/2] (element 2j in the low nibble of byte j)."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
-
-
 def to_mma_layout(packed: torch.Tensor, scales: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint-layout MXFP4 weight ``packed`` uint8 [..., N, K/2] / ``scales`` uint8 [..., N, K/32] in the
     mma layout (module docstring): ``(values [..., N/16, 8 Kp], scales [..., N/16, Kp/2])``, new tensors on the
@@ -104,7 +99,7 @@ def to_mma_layout(packed: torch.Tensor, scales: torch.Tensor, gated: bool) -> tu
     order = _gate_up_rows(N, packed.device) if gated else None
     for e in range(flat_p.shape[0]):
         codes = torch.zeros(N, Kp, dtype=torch.int32, device=packed.device)
-        codes[:, :K] = _codes(flat_p[e]).to(torch.int32)
+        codes[:, :K] = unpack_codes(flat_p[e]).to(torch.int32)
         s = torch.full((N, Kp // GROUP), 127, dtype=torch.int32, device=packed.device)
         s[:, : K // GROUP] = flat_s[e].to(torch.int32)
         if order is not None:
@@ -164,8 +159,7 @@ def from_mma_layout(
         s = s - SCALE_OFFSET
         if inverse is not None:
             codes, s = codes[inverse], s[inverse]
-        codes = codes[:, :K].to(torch.uint8)
-        packed[e] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        packed[e] = pack_codes(codes[:, :K])
         out_s[e] = s[:, : K // GROUP].to(torch.uint8)
     return packed.reshape(*lead, N, K // 2), out_s.reshape(*lead, N, K // GROUP)
 
