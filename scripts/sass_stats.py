@@ -10,8 +10,10 @@ pipeline stage it is unrolled into).
 Run it without ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled).
 Usage: python scripts/sass_stats.py [--variants mxfp4:64,64,128,4,3 bf16:64,64,64,4,3 ...] [--dump DIR] [--json F]
   quant:block_m,block_n,block_k,num_warps,num_stages; quant one of bf16, mxfp4 (tl.dot_scaled), mxfp4-decode,
-  mxfp4-mma (the mma layout, fusedmoe.mxfp4_layout). Also prints the K loop's own instructions (the code inside the
-  kernel's largest backward branch) and what they cost per weight element of a K tile."""
+  mxfp4-mma (the mma layout, fusedmoe.mxfp4_layout), fp8-block (128x128 block scales; fp8-block-interleave: gate
+  and up as one dot), fp8-token (per-token x per-channel scales); the fp8 variants compile GEMM1 of qwen3-30b-a3b
+  (H 2048, I 768). Also prints the K loop's own instructions (the code inside the kernel's largest backward branch)
+  and what they cost per weight element of a K tile."""
 
 from __future__ import annotations
 
@@ -31,19 +33,49 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedmoe.mxfp4_layout import padded_k  # noqa: E402
-from fusedmoe.ops.expert_gemm import MXFP4_SCALED_DOT, QUANT_CODES  # noqa: E402
+from fusedmoe.ops.configs import GemmConfig  # noqa: E402
+from fusedmoe.ops.expert_gemm import MXFP4_SCALED_DOT, QUANT_CODES, weights_first_fp8  # noqa: E402
 from fusedmoe.ops.grouped_gemm import _moe_gemm  # noqa: E402
 
 H = I = 2880  # gpt-oss-20b
 E = 32
+FP8_H, FP8_I = 2048, 768  # qwen3-30b-a3b
 TTGIR_OPS = ("async_copy_global_to_local", "convert_layout", "local_load", "warp_group_dot ", "tt.dot ", "fp4_to_fp")
-SASS_OPS = ("HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "STS", "PRMT", "LOP3", "SHF", "SEL", "HMUL2", "FMUL", "F2FP")
+SASS_OPS = (
+    "HGMMA",
+    "QGMMA",
+    "HMMA",
+    "LDGSTS",
+    "LDS",
+    "LDSM",
+    "STS",
+    "PRMT",
+    "LOP3",
+    "SHF",
+    "SEL",
+    "HMUL2",
+    "FMUL",
+    "FFMA",
+    "FADD",
+    "F2FP",
+    "WARPGROUP",
+    "WARPSYNC",
+    "BAR",
+)
 QUANTS = {
     "bf16": 0,
     "mxfp4": MXFP4_SCALED_DOT,
     "mxfp4-decode": QUANT_CODES["mxfp4"],
     "mxfp4-mma": QUANT_CODES["mxfp4_mma"],
+    "fp8-block": QUANT_CODES["fp8_block"],
+    "fp8-token": QUANT_CODES["fp8_token"],
+    "fp8-block-interleave": QUANT_CODES["fp8_block"],
+    "fp8-block-quantized": QUANT_CODES["fp8_block"],
 }
+
+
+#: the kernels' mode of each fp8 variant
+QUANT_MODES = {q: "fp8_token" if q == "fp8-token" else "fp8_block" for q in QUANTS if q.startswith("fp8")}
 
 
 def gemm1_arguments(quant: str) -> dict[str, int]:
@@ -56,6 +88,15 @@ def gemm1_arguments(quant: str) -> dict[str, int]:
             stride_om=I, stride_on=1, stride_asm=0, stride_ask=0, stride_wse=rows * row // 16, stride_wsn=row // 16,
             stride_wsk=1, stride_be=0, stride_bn=0,
         )  # fmt: skip
+    if quant.startswith("fp8"):
+        block = quant.startswith("fp8-block")
+        kg = FP8_H // 128
+        return dict(
+            N=FP8_I, K=FP8_H, top_k=8, stride_am=FP8_H, stride_ak=1, stride_we=2 * FP8_I * FP8_H, stride_wn=FP8_H,
+            stride_wk=1, stride_om=FP8_I, stride_on=1, stride_asm=kg if block else 1, stride_ask=1 if block else 0,
+            stride_wse=(2 * FP8_I // 128) * kg if block else 2 * FP8_I, stride_wsn=kg if block else 1,
+            stride_wsk=1 if block else 0, stride_be=0, stride_bn=0, stride_osm=FP8_I // 128, stride_osk=1,
+        )  # fmt: skip
     packed = quant != "bf16"
     row = H // 2 if packed else H
     return dict(
@@ -65,17 +106,26 @@ def gemm1_arguments(quant: str) -> dict[str, int]:
     )  # fmt: skip
 
 
-def compile_variant(quant: str, bm: int, bn: int, bk: int, warps: int, stages: int):
+def compile_variant(quant: str, bm: int, bn: int, bk: int, warps: int, stages: int, extra: dict | None = None):
     code = QUANTS[quant]
-    packed = code != 0
+    fp8 = quant.startswith("fp8")
+    if quant == "fp8-block-interleave":  # gate and up as one dot (GemmConfig.interleave)
+        extra = {"INTERLEAVE": True, **(extra or {})}
+    quantized = quant == "fp8-block-quantized"  # the output quantized to fp8 in the epilogue (scales beside it)
+    packed = code != 0 and not fp8
     ints = gemm1_arguments(quant)
-    pointers = {"a_ptr": "*bf16", "w_ptr": "*u8" if packed else "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
-                "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "a_scale_ptr": "*bf16",
-                "w_scale_ptr": "*u8" if packed else "*bf16", "bias_ptr": "*bf16"}  # fmt: skip
+    operand = "*fp8e4nv" if fp8 else "*bf16"
+    pointers = {"a_ptr": operand, "w_ptr": "*u8" if packed else operand, "out_ptr": "*fp8e4nv" if quantized else "*bf16",
+                "out_scale_ptr": "*fp32", "sorted_ptr": "*i32",
+                "block_expert_ptr": "*i32", "topk_w_ptr": "*fp32", "a_scale_ptr": "*fp32" if fp8 else "*bf16",
+                "w_scale_ptr": "*u8" if packed else ("*fp32" if fp8 else "*bf16"), "bias_ptr": "*bf16"}  # fmt: skip
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT=code, GROUP_N=128, GROUP_K=128, GATED=True,
-                  ACTIVATION=0, WEIGHT_ON_INPUT=False, MUL_WEIGHT=False, IEEE=False, EVEN_K=H % bk == 0,
+                  ACTIVATION=0, WEIGHT_ON_INPUT=False, MUL_WEIGHT=False, IEEE=False, EVEN_K=ints["K"] % bk == 0,
                   HAS_BIAS=False, A_SORTED=False, STORE_PREACT=False, NUM_SMS=0, PERSISTENT=0, INTERLEAVE=False,
-                  preact_ptr=None, stride_pm=0, w_desc=None)  # fmt: skip
+                  preact_ptr=None, stride_pm=0, w_desc=None, **({} if quantized else dict(out_scale_ptr=None, stride_osm=0, stride_osk=0)), OUT_FP8=int(quantized),
+                  TILE_W_SCALE=quant.startswith("fp8-block") and 128 % bn == 0)  # fmt: skip
+    consts["WEIGHTS_FIRST"] = fp8 and weights_first_fp8(QUANT_MODES[quant], GemmConfig(bm, bn, bk), gated=True)
+    consts.update(extra or {})
     signature, attrs = {}, {}
     for p in _moe_gemm.params:
         name = p.name

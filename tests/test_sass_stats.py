@@ -20,6 +20,11 @@ def _load_script():
     return module
 
 
+#: fp8 GEMM1 tiles: 16 token rows (weights first), 64 rows (tokens first), 64 rows quantizing the output
+FP8_VARIANTS = ["fp8-block:16,64,128,4,4", "fp8-token:16,64,128,4,4", "fp8-block:64,128,128,8,3",
+                "fp8-block-quantized:64,128,128,8,3"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory):
     import triton
@@ -28,7 +33,7 @@ def counts(tmp_path_factory):
         pytest.skip("this Triton has no cuobjdump")
     out = tmp_path_factory.mktemp("sass") / "counts.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels, not interpreted
-    variants = ["bf16:64,64,128,4,3", "mxfp4:64,64,128,4,3", "mxfp4-mma:16,64,128,4,4"]
+    variants = ["bf16:64,64,128,4,3", "mxfp4:64,64,128,4,3", "mxfp4-mma:16,64,128,4,4", *FP8_VARIANTS]
     subprocess.run([sys.executable, SCRIPT, "--variants", *variants, "--json", str(out)], env=env, check=True)
     return json.loads(out.read_text())
 
@@ -62,3 +67,23 @@ def test_opcode_counts_read_predicated_instructions():
     sass += "        /*0060*/              @P1 BRA 0x80 ;\n"
     sass += "        /*0070*/                   @UP0 EXIT ;\n"
     assert _load_script().opcode_counts(sass) == {"HGMMA": 1, "LDGSTS": 1, "BRA": 1, "EXIT": 1}
+
+
+@pytest.mark.parametrize("variant", FP8_VARIANTS)
+def test_fp8_k_loop_runs_fp8_wgmma(counts, variant):
+    """Every fp8 tensor-core tile multiplies on the fp8 wgmma (QGMMA), also at 16 token rows, where tokens first
+    would take Triton's fallback that widens each operand pair to fp16 (F2FP) for mma.sync (HMMA); fp8_block adds
+    one multiply-add per accumulator element per K tile (the scales combined first: with tokens first the weight
+    scale is one per tile, weights first one per row), not a product and a sum."""
+    c = counts[variant]
+    loop = c["loop"]
+    assert loop.get("QGMMA", 0) > 0 and loop.get("HMMA", 0) == 0 and loop.get("F2FP", 0) == 0
+    bm, bn, bk, warps = (int(t) for t in variant.split(":")[1].split(",")[:4])
+    accumulators_per_thread = bm * 2 * bn // (32 * warps)
+    scale_ops = loop.get("FFMA", 0) + loop.get("FMUL", 0)
+    if variant.startswith("fp8-token"):
+        assert scale_ops == 0  # per-token scales apply once, after the loop
+    elif bm >= 64:
+        assert loop.get("FFMA", 0) == accumulators_per_thread and loop.get("FMUL", 0) < accumulators_per_thread
+    else:
+        assert scale_ops <= 2 * accumulators_per_thread

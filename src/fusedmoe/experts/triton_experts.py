@@ -10,7 +10,9 @@ quantization settings, IEEE float32 dots) is a value derived from the problem an
 can never reuse scratch sized for another one.
 
 Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; fp8 adds one quantization launch per GEMM
-input (two for a dynamic per-tensor scale: partial maxima, then quantize). GEMM2 writes its weighted rows in
+input (two for a dynamic per-tensor scale: partial maxima, then quantize), except that fp8_block GEMM1 tiles
+holding whole scale groups (BLOCK_N a multiple of the group) quantize their own output from float32
+(:attr:`TritonLaunch.gemm1_quantizes`). GEMM2 writes its weighted rows in
 float32, so the top-k sum rounds once, to the output dtype (:func:`y_dtype`), except on a flattened persistent
 grid (the shipped bf16 tables' entries from 1024 tokens, which their switch points serve from 724-1024): there
 they take the activation dtype, as vLLM and triton_kernels store them at every size.
@@ -28,7 +30,7 @@ from ..ops import configs
 from ..ops.align import AlignParams, align_params, moe_align
 from ..ops.configs import MoEConfig, device_name, fit_smem, get_config
 from ..ops.expert_gemm import MIN_DOT_BLOCK_M, MXFP4_GROUP, Numerics
-from ..ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
+from ..ops.grouped_gemm import fp8_output_fits, grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
 from ..problem import ACTIVATIONS, Layout, MoEProblem, hash_once, state_without_hash
@@ -92,6 +94,14 @@ class TritonLaunch:
     @property
     def group_k(self) -> int:
         return self.block_shape[1]
+
+    @property
+    def gemm1_quantizes(self) -> bool:
+        """fp8_block with GEMM1 tiles that hold whole scale groups of its output columns: GEMM1 writes GEMM2's fp8
+        input and its scales itself (from the float32 activation), and no separate quantization runs."""
+        return (
+            self.quant_mode == "fp8_block" and not self.weight_only and fp8_output_fits(self.config.gemm1, self.group_k)
+        )
 
     @property
     def weight_only(self) -> bool:
@@ -225,7 +235,7 @@ def _gemm_options(c, config, a_scale, w_scale, bias) -> dict:
     return {"num_blocks": c.launch.num_blocks, "config": config, "numerics": numerics, "bias": bias}
 
 
-def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale) -> None:
+def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale, act_scale=None) -> None:
     x, p = c.x, c.p
     weights = x.topk_weights if p.apply_router_weight_on_input else None
     opts = _gemm_options(c, c.launch.config.gemm1, a_scale, x.w1_scale, x.w1_bias)
@@ -239,6 +249,7 @@ def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale) -> None:
         activation=p.activation,
         topk_weights=weights,
         preact=x.preact,
+        out_scale=act_scale,
         **opts,
     )
 
@@ -261,6 +272,12 @@ def _gemm1_weight_only(c, sorted_ids, block_expert, act):
 @step
 def _gemm1_fp8(c, sorted_ids, block_expert, act, a1q, a1_scale=None):
     _gemm1_call(c, sorted_ids, block_expert, act, *gemm1_input(c, a1q, a1_scale))
+
+
+@step
+def _gemm1_fp8_quantized(c, sorted_ids, block_expert, a1q, a2q, a2_scale, a1_scale=None):
+    # fp8_block whose GEMM1 tiles hold whole groups: GEMM1 writes GEMM2's fp8 input and its scales
+    _gemm1_call(c, sorted_ids, block_expert, a2q, *gemm1_input(c, a1q, a1_scale), act_scale=a2_scale)
 
 
 @step
@@ -389,9 +406,10 @@ class TritonExperts(Experts):
             BufferSpec("sorted_ids", (ap.max_padded,), i32),
             BufferSpec("block_expert", (ap.max_blocks,), i32),
             BufferSpec("num_padded", (1,), i32),
-            BufferSpec("act", (S, I), dt, region="2"),
             BufferSpec("y", (S, H), y_dtype(p, L.config)),
         ]
+        if not L.gemm1_quantizes:  # (else GEMM1 writes a2q and a2_scale directly)
+            specs.insert(3, BufferSpec("act", (S, I), dt, region="2"))
         if not ap.fused:
             specs.append(BufferSpec("align_partial", ap.partial_shape, i32))
         if L.quant_mode in FP8_MODES and not L.weight_only:
@@ -413,6 +431,8 @@ class TritonExperts(Experts):
             return [_align, _gemm1, _gemm2, _reduce]
         if launch.weight_only:
             return [_align, _gemm1_weight_only, _gemm2, _reduce]
+        if launch.gemm1_quantizes:
+            return [_align, _quantize_input, _gemm1_fp8_quantized, _gemm2_fp8, _reduce]
         return [_align, _quantize_input, _gemm1_fp8, _quantize_act, _gemm2_fp8, _reduce]
 
 

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ..mxfp4 import GROUP as MXFP4_GROUP  # weight elements per e8m0 scale
 from .configs import GemmConfig
+from .quantize import _fp8_scale, _to_fp8
 
 QUANT_CODES = {None: 0, "fp8_tensor": 1, "fp8_token": 2, "fp8_block": 3, "mxfp4": 4, "mxfp4_mma": 6}
 #: The kernel code of MXFP4 through ``tl.dot_scaled`` (see :func:`mxfp4_quant_code`).
@@ -110,6 +111,9 @@ def k_loop(
     w_desc=None,
     desc_row=0,
     INTERLEAVE: tl.constexpr = False,
+    first_col=0,
+    TILE_W_SCALE: tl.constexpr = False,
+    WEIGHTS_FIRST: tl.constexpr = False,
 ):
     """The K loop of one tile: for MXFP4 weights :func:`_k_loop_mxfp4_scaled` (QUANT 5) or :func:`_k_loop_mxfp4`
     (QUANT 4), else :func:`_k_loop_dense`. Tiles of fewer than 16 rows (BLOCK_M) take multiply-adds in every
@@ -117,7 +121,9 @@ def k_loop(
     for the others. ``w_desc``: see :func:`_k_loop_dense` (only its tensor-core tiles take one). ``INTERLEAVE``
     (gated tensor-core tiles of dense, fp8_tensor or fp8_token weights): :func:`_k_loop_gate_up`. MXFP4 weights in
     the mma layout (QUANT 6, or 7 without inline assembly): :func:`_k_loop_mxfp4_mma`, whose tile starts at output
-    column ``desc_row``."""
+    column ``desc_row``. ``TILE_W_SCALE`` (fp8_block): the tile's gate columns, and its up columns, each lie in one
+    weight scale group, found from the tile's first output column ``first_col``. ``WEIGHTS_FIRST`` (fp8 tiles of
+    16-32 rows, :func:`weights_first_fp8`): :func:`_k_loop_fp8_weights_first`."""
     fma: tl.constexpr = row_ok.shape[0] < MIN_DOT_ROWS
     if QUANT == 6 or QUANT == 7:
         acc_g, acc_u = _k_loop_mxfp4_mma(a_op, w_op, scales, row_ok, expert, desc_row, BLOCK_K, GATED, IEEE, QUANT == 6)
@@ -127,15 +133,34 @@ def k_loop(
         acc_g, acc_u = _k_loop_mxfp4_row(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED)
     elif QUANT == 4 or QUANT == 5:
         acc_g, acc_u = _k_loop_mxfp4(a_op, w_op, scales, row_ok, expert, BLOCK_K, GATED, IEEE, fma)
-    elif INTERLEAVE and GATED and QUANT != 3 and not fma:
+    elif INTERLEAVE and GATED and (QUANT != 3 or TILE_W_SCALE) and not fma:
         acc_g, acc_u = _k_loop_gate_up(
-            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, IEEE, EVEN_K, w_desc, desc_row
+            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, IEEE, EVEN_K, w_desc, desc_row
         )
     elif fma:
         acc_g, acc_u = _k_loop_fma(a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED)
+    elif WEIGHTS_FIRST:
+        acc_g, acc_u = _k_loop_fp8_weights_first(
+            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, EVEN_K
+        )
     else:
         acc_g, acc_u = _k_loop_dense(
-            a_op, w_op, scales, row_ok, expert, BLOCK_K, QUANT, GROUP_N, GROUP_K, GATED, IEEE, EVEN_K, w_desc, desc_row
+            a_op,
+            w_op,
+            scales,
+            row_ok,
+            expert,
+            BLOCK_K,
+            QUANT,
+            GROUP_N,
+            GROUP_K,
+            GATED,
+            IEEE,
+            EVEN_K,
+            w_desc,
+            desc_row,
+            first_col,
+            TILE_W_SCALE,
         )
     return acc_g, acc_u
 
@@ -661,6 +686,8 @@ def _k_loop_dense(
     EVEN_K: tl.constexpr,
     w_desc=None,
     desc_row=0,
+    first_col=0,
+    TILE_W_SCALE: tl.constexpr = False,
 ):
     """The K loop of one tile of ``expert`` with dense (or fp8) weights: ``(acc_g, acc_u)``, fp32 [BLOCK_M,
     BLOCK_N] (the lengths of ``rows`` and ``offs_nw``), scaled back from fp8 by ``QUANT``.
@@ -686,6 +713,12 @@ def _k_loop_dense(
     ``desc_row + j`` (``expert * R`` + the tile's first column) and ``+ N`` for up instead of ``offs_nw``:
     columns past N read other rows (or zeros past the end), which are computed and never stored, like the
     wrapped columns; K past the end loads as zeros.
+
+    fp8_block (QUANT 3) scales each K tile's product by its group's scales before adding it to the accumulator.
+    ``TILE_W_SCALE``: the gate columns ``first_col ..`` of the tile (and the up columns ``first_col + N ..``) share
+    one weight scale per K group (BLOCK_N divides GROUP_N, and N is a multiple of it), so the two scales combine
+    per row first and each product joins its accumulator in one multiply-add per element; both dots are issued
+    before either is scaled, so the up dot runs on the tensor cores while the gate product is scaled.
     """
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
@@ -702,9 +735,13 @@ def _k_loop_dense(
     if QUANT == 3:
         as_ptrs = a_scale_ptr + scale_rows * stride_asm
         ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-        gs_ptrs = ws_base + (offs_nw // GROUP_N) * stride_wsn
-        if GATED:
-            us_ptrs = ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn
+        if TILE_W_SCALE:
+            gs_ptrs = ws_base + (first_col // GROUP_N) * stride_wsn
+            us_ptrs = ws_base + ((first_col + N) // GROUP_N) * stride_wsn
+        else:
+            gs_ptrs = ws_base + (offs_nw // GROUP_N) * stride_wsn
+            if GATED:
+                us_ptrs = ws_base + ((offs_nw + N) // GROUP_N) * stride_wsn
 
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if w_desc is not None:
@@ -726,7 +763,16 @@ def _k_loop_dense(
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if QUANT == 3:
+        if QUANT == 3 and TILE_W_SCALE:
+            kg = (kt * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
+            d_g = tl.dot(a, g)
+            if GATED:
+                d_u = tl.dot(a, u)
+            acc_g = tl.fma(d_g, (a_s * tl.load(gs_ptrs + kg * stride_wsk))[:, None], acc_g)
+            if GATED:
+                acc_u = tl.fma(d_u, (a_s * tl.load(us_ptrs + kg * stride_wsk))[:, None], acc_u)
+        elif QUANT == 3:
             kg = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
             g_s = tl.load(gs_ptrs + kg * stride_wsk)
@@ -748,6 +794,81 @@ def _k_loop_dense(
 
 
 @triton.jit
+def _k_loop_fp8_weights_first(
+    a_op,
+    w_op,
+    scales,
+    row_ok,
+    expert,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """:func:`_k_loop_dense` for fp8 tiles of 16-32 token rows, weights first: ``acc^T += w @ a^T`` with the tile's
+    weight rows in the wgmma's M (64 at least: fp8 tensor-core ops take no fewer rows) and its tokens in N. Token
+    rows in M would need a 64-row tile mostly of padding, or Triton's fallback for fewer rows, which widens every
+    fp8 operand to fp16 in registers (an F2FP per pair) and runs the older mma.sync.
+
+    A GATED tile reads its gate and up rows as one [2 BLOCK_N, BLOCK_K] tile, ordered in blocks of 8 columns (the 8
+    gate rows, then their 8 up rows): rows r and r + 8 of a wgmma accumulator sit in one thread, so splitting gate
+    from up after the loop moves no data. fp8_block scales each K tile's product by its rows' weight scales and its
+    tokens' activation scales before it joins the accumulator; the other modes scale once, after the loop."""
+    a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
+    w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    BLOCK_N: tl.constexpr = offs_nw.shape[0]
+    if GATED:  # (block of 8 columns, gate/up, column in block)
+        RB: tl.constexpr = BLOCK_N // 8
+        halves = tl.reshape(tl.arange(0, 2) * N, [1, 2, 1])
+        w_rows = tl.reshape(tl.reshape(offs_nw, [RB, 1, 8]) + halves, [2 * BLOCK_N])
+    else:
+        w_rows = offs_nw
+    W_ROWS: tl.constexpr = w_rows.shape[0]
+    offs_k = tl.arange(0, BLOCK_K)
+    e64 = expert.to(tl.int64)
+    a_ptrs = a_ptr + e64 * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + e64 * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    ws_base = w_scale_ptr + e64 * stride_wse
+    acc = tl.zeros([W_ROWS, BLOCK_M], dtype=tl.float32)
+    if QUANT == 3:
+        as_ptrs = a_scale_ptr + scale_rows * stride_asm
+        ws_ptrs = ws_base + (w_rows // GROUP_N) * stride_wsn
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        if QUANT == 3:
+            kg = (kt * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + kg * stride_wsk)
+            acc = tl.fma(tl.dot(w, a.trans()), w_s[:, None] * a_s[None, :], acc)
+        else:
+            acc = tl.dot(w, a.trans(), acc)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if QUANT == 1:
+        acc = acc * (tl.load(ws_base) * tl.load(a_scale_ptr))
+    elif QUANT == 2:
+        a_s = tl.load(a_scale_ptr + scale_rows * stride_asm, mask=row_ok, other=0.0)
+        acc = acc * tl.load(ws_base + w_rows * stride_wsn)[:, None] * a_s[None, :]
+    # (one return: Triton checks every return of a function against the others, constexpr branches included)
+    if GATED:
+        t = tl.permute(tl.reshape(acc, [BLOCK_N // 8, 2, 8, BLOCK_M]), (0, 2, 3, 1))
+        acc_g, acc_u = tl.split(tl.reshape(t, [BLOCK_N, BLOCK_M, 2]))
+    else:
+        acc_g, acc_u = acc, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    return acc_g.trans(), acc_u.trans()
+
+
+@triton.jit
 def _k_loop_gate_up(
     a_op,
     w_op,
@@ -756,28 +877,44 @@ def _k_loop_gate_up(
     expert,
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     w_desc=None,
     desc_row=0,
 ):
-    """:func:`_k_loop_dense` of a gated tile (QUANT 0, 1 or 2) as one dot per K tile: the gate and up rows of the
-    tile's columns read as one [BLOCK_K, 2 * BLOCK_N] weight tile, interleaved (column 2j is gate row
-    ``offs_nw[j]``, 2j + 1 up row ``offs_nw[j] + N``), into one [BLOCK_M, 2 * BLOCK_N] accumulator. A dot twice as
+    """:func:`_k_loop_dense` of a gated tile (QUANT 0, 1 or 2, or 3 under ``TILE_W_SCALE``) as one dot per K tile:
+    the gate and up rows of the tile's columns read as one [BLOCK_K, 2 * BLOCK_N] weight tile, interleaved (column
+    2j is gate row ``offs_nw[j]``, 2j + 1 up row ``offs_nw[j] + N``), into one [BLOCK_M, 2 * BLOCK_N] accumulator
+    (fp8_block: a fresh product per K tile, see below). A dot twice as
     wide reads the A tile once per K tile instead of twice, and the interleaving puts each gate value and its up
     value in the same thread, so the split after the loop moves no data.
 
     ``w_desc`` (None: pointer loads): a 4-D TMA descriptor of the weights viewed as [E, N, 2, K] (gate row j and
     up row j adjacent; :func:`weight_descriptor` with ``interleave``), block [1, BLOCK_N, 2, BLOCK_K], read at
-    ``[expert, desc_row, 0, k]`` (``desc_row``: the tile's first column); columns past N load as zeros."""
+    ``[expert, desc_row, 0, k]`` (``desc_row``: the tile's first column); columns past N load as zeros.
+
+    fp8_block (the tile's gate columns and its up columns each in one weight scale group): each K tile's product
+    splits into gate and up in registers and joins each accumulator in one multiply-add per element, by the row's
+    activation scale times the group's weight scale."""
     a_ptr, stride_ae, rows, stride_am, stride_ak = a_op
     w_ptr, stride_we, offs_nw, N, K, stride_wn, stride_wk = w_op
+    a_scale_ptr, scale_rows, stride_asm, stride_ask, w_scale_ptr, stride_wse, stride_wsn, stride_wsk = scales
     BLOCK_N: tl.constexpr = offs_nw.shape[0]
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + expert.to(tl.int64) * stride_ae + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     w_rows = tl.reshape(tl.join(offs_nw, offs_nw + N), [2 * BLOCK_N])
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([rows.shape[0], 2 * BLOCK_N], dtype=tl.float32)
+    if QUANT == 3:
+        acc_g = tl.zeros([rows.shape[0], BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([rows.shape[0], BLOCK_N], dtype=tl.float32)
+        as_ptrs = a_scale_ptr + scale_rows * stride_asm
+        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+        gs_ptr = ws_base + (desc_row // GROUP_N) * stride_wsn
+        us_ptr = ws_base + ((desc_row + N) // GROUP_N) * stride_wsn
+    else:
+        acc = tl.zeros([rows.shape[0], 2 * BLOCK_N], dtype=tl.float32)
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -789,10 +926,18 @@ def _k_loop_gate_up(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(offs_k < K - kt * BLOCK_K)[:, None], other=0.0)
-        acc = _mma(a, w, acc, IEEE)
+        if QUANT == 3:
+            kg = (kt * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
+            d_g, d_u = tl.split(tl.reshape(tl.dot(a, w), [rows.shape[0], BLOCK_N, 2]))
+            acc_g = tl.fma(d_g, (a_s * tl.load(gs_ptr + kg * stride_wsk))[:, None], acc_g)
+            acc_u = tl.fma(d_u, (a_s * tl.load(us_ptr + kg * stride_wsk))[:, None], acc_u)
+        else:
+            acc = _mma(a, w, acc, IEEE)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    acc_g, acc_u = tl.split(tl.reshape(acc, [rows.shape[0], BLOCK_N, 2]))
+    if QUANT != 3:
+        acc_g, acc_u = tl.split(tl.reshape(acc, [rows.shape[0], BLOCK_N, 2]))
     return _scale_after_k(acc_g, acc_u, scales, row_ok, expert, offs_nw, N, QUANT, True, True)
 
 
@@ -810,6 +955,9 @@ def epilogue(
     WEIGHT_ON_INPUT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    OUT_FP8: tl.constexpr = 0,
+    OUT_GROUP: tl.constexpr = 128,
+    out_scale=None,
 ):
     """Finish a tile of :func:`k_loop` and store it.
 
@@ -824,6 +972,11 @@ def epilogue(
       ``n_ok[j]``, in ``out_ptr``'s element type (``stride_oe`` 0 when the rows index one shared matrix).
 
     GATED stores ``activation(gate, up)`` (``ACTIVATION``: a code of :data:`ACTIVATION_CODES`), else ``acc_g``.
+
+    ``OUT_FP8`` (1; 2 rounds to e4m3 in float32 first, for the CPU interpreter's conversion): the result is
+    quantized to fp8 from its float32 value, one scale per row and OUT_GROUP columns (BLOCK_N a multiple of
+    OUT_GROUP), by the rule of :mod:`fusedmoe.ops.quantize`; ``out_scale = (scale_ptr, stride_sm, stride_sk)``
+    receives each row's scale of group g at ``scale_ptr + out_rows[i] * stride_sm + g * stride_sk``.
     """
     if WEIGHT_ON_INPUT:
         topk_w_ptr, slot = weights
@@ -847,7 +1000,30 @@ def epilogue(
     out_ptr, stride_oe, out_rows, stride_om, offs_n, stride_on, n_ok = out
     o_ptrs = out_ptr + expert.to(tl.int64) * stride_oe + out_rows.to(tl.int64)[:, None] * stride_om
     o_ptrs += offs_n[None, :] * stride_on
+    if OUT_FP8:
+        res = _quantize_groups(
+            res, row_ok, out_rows, offs_n, n_ok, out_scale, out_ptr.dtype.element_ty, OUT_GROUP, OUT_FP8 == 2
+        )
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _quantize_groups(
+    res, row_ok, out_rows, offs_n, n_ok, out_scale, q_dtype, G: tl.constexpr, ROUND_IN_FP32: tl.constexpr
+):
+    """fp8 values [BLOCK_M, BLOCK_N] of float32 ``res``, quantized per row and G-column group (columns past N,
+    ``n_ok`` false, count as 0), each group's scale stored through ``out_scale`` (see :func:`epilogue`)."""
+    BM: tl.constexpr = res.shape[0]
+    BN: tl.constexpr = res.shape[1]
+    scale_ptr, stride_sm, stride_sk = out_scale
+    groups = tl.reshape(tl.where(n_ok[None, :], res, 0.0), [BM, BN // G, G])
+    scale = _fp8_scale(tl.max(tl.abs(groups), axis=2))
+    q = tl.reshape(_to_fp8(groups, scale[:, :, None], q_dtype, ROUND_IN_FP32), [BM, BN])
+    group_ids = tl.max(tl.reshape(offs_n // G, [BN // G, G]), axis=1)
+    group_ok = tl.max(tl.reshape(n_ok.to(tl.int32), [BN // G, G]), axis=1) > 0
+    s_ptrs = scale_ptr + out_rows.to(tl.int64)[:, None] * stride_sm + group_ids[None, :] * stride_sk
+    tl.store(s_ptrs, scale, mask=row_ok[:, None] & group_ok[None, :])
+    return q
 
 
 # ---- host side --------------------------------------------------------------------------------------------------
@@ -929,6 +1105,13 @@ def _check_mma_operands(a: torch.Tensor, w: torch.Tensor, num: Numerics, config:
             f"mxfp4_mma needs BLOCK_M >= {MIN_DOT_BLOCK_M}, BLOCK_N a multiple of 16 and BLOCK_K of 64, got "
             f"{config.block_m}x{config.block_n}x{config.block_k}"
         )
+
+
+def weights_first_fp8(mode: str | None, config: GemmConfig, gated: bool) -> bool:
+    """Whether an fp8 GEMM's tensor-core tiles run :func:`_k_loop_fp8_weights_first`: 16 to 32 token rows (too
+    few for a 64-row wgmma, so the tokens go in its N) and at least 64 weight rows (GEMM1: gate and up rows)."""
+    rows = config.block_n * (2 if gated else 1)
+    return mode in ("fp8_tensor", "fp8_token", "fp8_block") and MIN_DOT_BLOCK_M <= config.block_m < 64 and rows >= 64
 
 
 def weight_only_fp8(a: torch.Tensor, config: GemmConfig) -> bool:

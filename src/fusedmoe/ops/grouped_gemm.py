@@ -25,6 +25,7 @@ activation rows (tokens for GEMM1, slots for GEMM2) and N the weight rows (2I fo
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -45,6 +46,7 @@ from .expert_gemm import (
     tile_meta,
     weight_descriptor,
     weight_k,
+    weights_first_fp8,
 )
 from .launcher import launch
 
@@ -120,6 +122,12 @@ def _moe_gemm(
     NUM_SMS: tl.constexpr = 0,
     PERSISTENT: tl.constexpr = 0,
     INTERLEAVE: tl.constexpr = False,
+    TILE_W_SCALE: tl.constexpr = False,
+    WEIGHTS_FIRST: tl.constexpr = False,
+    out_scale_ptr=None,
+    stride_osm=0,
+    stride_osk=0,
+    OUT_FP8: tl.constexpr = 0,
 ):
     """Output rows are slots; activation (and activation-scale) rows are ``slot // top_k``: tokens for GEMM1,
     the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves.
@@ -128,7 +136,9 @@ def _moe_gemm(
     ``NUM_SMS`` 0: one program per tile. Else persistent: NUM_SMS programs walk the tiles of the valid blocks
     (a prefix of ``block_expert``: the blocks past ``num_padded`` hold -1), ``PERSISTENT`` 2 with the tile loop
     flattened into the K loop (the next tile's loads overlap this one's epilogue), 3 also warp-specialized.
-    ``INTERLEAVE`` (GEMM1, ``GemmConfig.interleave``): gate and up as one dot (``expert_gemm._k_loop_gate_up``)."""
+    ``INTERLEAVE`` (GEMM1, ``GemmConfig.interleave``): gate and up as one dot (``expert_gemm._k_loop_gate_up``).
+    ``OUT_FP8`` (fp8_block GEMM1): the output is stored as fp8 with one scale per row and GROUP_K columns, written
+    to ``out_scale_ptr`` (``expert_gemm.epilogue``)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # the runtime arguments a tile reads besides its coordinates, handed to _gemm_tile as one tuple
     args = (
@@ -161,6 +171,7 @@ def _moe_gemm(
         stride_be,
         stride_bn,
         stride_pm,
+        (out_scale_ptr, stride_osm, stride_osk),
     )
     if NUM_SMS == 0:
         pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -188,6 +199,9 @@ def _moe_gemm(
             A_SORTED,
             STORE_PREACT,
             INTERLEAVE,
+            TILE_W_SCALE,
+            WEIGHTS_FIRST,
+            OUT_FP8,
         )
     else:
         valid_m = _valid_blocks(block_expert_ptr, num_pid_m)
@@ -217,6 +231,9 @@ def _moe_gemm(
                 A_SORTED,
                 STORE_PREACT,
                 INTERLEAVE,
+                TILE_W_SCALE,
+                WEIGHTS_FIRST,
+                OUT_FP8,
             )
 
 
@@ -253,6 +270,9 @@ def _gemm_tile(
     A_SORTED: tl.constexpr,
     STORE_PREACT: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    TILE_W_SCALE: tl.constexpr,
+    WEIGHTS_FIRST: tl.constexpr,
+    OUT_FP8: tl.constexpr,
 ):
     """One output tile of :func:`_moe_gemm`: BLOCK_M aligned slots of ``expert`` x BLOCK_N columns; ``args`` are
     the kernel's runtime arguments in the order :func:`_moe_gemm` packs them."""
@@ -286,6 +306,7 @@ def _gemm_tile(
         stride_be,
         stride_bn,
         stride_pm,
+        out_scale,
     ) = args
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(sorted_ptr + offs_m)
@@ -320,6 +341,9 @@ def _gemm_tile(
         w_desc,
         desc_row,
         INTERLEAVE,
+        pid_n * BLOCK_N,
+        TILE_W_SCALE,
+        WEIGHTS_FIRST,
     )
     if STORE_PREACT:  # GEMM1's raw accumulators (before weight, bias, activation), saved for the backward
         pre_ptrs = preact_ptr + tl.where(row_ok, slot, 0).to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
@@ -329,7 +353,23 @@ def _gemm_tile(
     bias = (bias_ptr, stride_be, offs_nw, N, stride_bn)
     out = (out_ptr, 0, slot, stride_om, offs_n, stride_on, n_ok)
     weights = (topk_w_ptr, slot)
-    epilogue(acc_g, acc_u, row_ok, expert, weights, bias, out, GATED, ACTIVATION, WEIGHT_ON_INPUT, HAS_BIAS, MUL_WEIGHT)
+    epilogue(
+        acc_g,
+        acc_u,
+        row_ok,
+        expert,
+        weights,
+        bias,
+        out,
+        GATED,
+        ACTIVATION,
+        WEIGHT_ON_INPUT,
+        HAS_BIAS,
+        MUL_WEIGHT,
+        OUT_FP8,
+        GROUP_K,
+        out_scale,
+    )
 
 
 # ---- wrappers ---------------------------------------------------------------------------------------------------
@@ -356,6 +396,40 @@ def _check_bias(bias, shape):
         raise ValueError(f"bias must have shape {list(shape)}, got {list(bias.shape)}")
 
 
+def _fp8_output(scale: torch.Tensor) -> dict:
+    """The keywords of a GEMM1 launch that quantizes its output to fp8 with scales ``scale`` [n_slots, groups]."""
+    rounding = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1  # the interpreter's fp32->fp8 cast is inexact
+    return {"out_scale_ptr": scale, "stride_osm": scale.stride(0), "stride_osk": scale.stride(1), "OUT_FP8": rounding}
+
+
+def tile_weight_scale(config: GemmConfig, num: Numerics, N: int) -> bool:
+    """Whether each fp8_block tensor-core tile's gate columns (and up columns, N further on) lie in one weight scale
+    group: BLOCK_N divides the group's rows and N is a multiple of them (``expert_gemm._k_loop_dense``)."""
+    gn = num.block_shape[0]
+    return num.mode == "fp8_block" and config.block_m >= MIN_DOT_BLOCK_M and gn % config.block_n == 0 and N % gn == 0
+
+
+def fp8_output_fits(config: GemmConfig, group_k: int) -> bool:
+    """Whether GEMM1 tiles of ``config`` can quantize their own output in ``group_k``-column groups: tensor-core
+    tiles (at least 16 rows) whose BLOCK_N holds whole groups."""
+    return config.block_m >= MIN_DOT_BLOCK_M and config.block_n % group_k == 0
+
+
+def _check_fp8_output(out, out_scale, config: GemmConfig, num: Numerics, I: int) -> None:
+    gk = num.block_shape[1]
+    if num.mode != "fp8_block" or not fp8_output_fits(config, gk):
+        raise ValueError(
+            f"out_scale: fp8 output needs fp8_block numerics and tiles of >= {MIN_DOT_BLOCK_M} rows with BLOCK_N a "
+            f"multiple of {gk}, got mode {num.mode!r}, tiles {config.block_m}x{config.block_n}"
+        )
+    if out.dtype != torch.float8_e4m3fn or out_scale.dtype != torch.float32:
+        raise TypeError(
+            f"out_scale: out must be float8_e4m3fn and out_scale float32, got {out.dtype}, {out_scale.dtype}"
+        )
+    if tuple(out_scale.shape) != (out.shape[0], cdiv(I, gk)):
+        raise ValueError(f"out_scale must be {[out.shape[0], cdiv(I, gk)]}, got {list(out_scale.shape)}")
+
+
 def _check(a, w, sorted_ids, block_expert, config, num: Numerics) -> None:
     check_operands(a, w, num, config)
     if sorted_ids.dtype != torch.int32 or block_expert.dtype != torch.int32:
@@ -379,6 +453,7 @@ def _launch(
     num,
     a_sorted,
     preact=None,
+    out_scale=None,
 ):
     """One ``_moe_gemm`` launch writing ``out`` [n_slots, N]: GEMM1 when ``activation`` is given (gated: ``w``
     holds gate rows then up rows; ``topk_weights`` scale the input rows), else GEMM2 (``topk_weights`` scale
@@ -392,8 +467,9 @@ def _launch(
         grid = (min(grid[0], sms),)
         persistent = {"NUM_SMS": sms, "PERSISTENT": config.persistent}
     weighted = topk_weights is not None
-    interleave = config.interleave and activation is not None and num.mode in (None, "fp8_tensor", "fp8_token")
-    interleave = interleave and config.block_m >= MIN_DOT_BLOCK_M
+    tile_scale = tile_weight_scale(config, num, N)
+    interleave = config.interleave and activation is not None and config.block_m >= MIN_DOT_BLOCK_M
+    interleave = interleave and (num.mode in (None, "fp8_tensor", "fp8_token") or tile_scale)
     launch(
         _moe_gemm,
         grid,
@@ -427,6 +503,9 @@ def _launch(
         **({} if preact is None else {"preact_ptr": preact, "stride_pm": preact.stride(0), "STORE_PREACT": True}),
         **({"w_desc": desc} if (desc := weight_descriptor(w, config, num, interleave)) is not None else {}),
         **({"INTERLEAVE": True} if interleave else {}),
+        **({"TILE_W_SCALE": True} if tile_scale else {}),
+        **({"WEIGHTS_FIRST": True} if weights_first_fp8(num.mode, config, activation is not None) else {}),
+        **({} if out_scale is None else _fp8_output(out_scale)),
         **persistent,
         **tile_meta(config, num, a.dtype, K, activation),
     )
@@ -448,6 +527,7 @@ def moe_gemm1(
     numerics: Numerics = Numerics(),
     bias: torch.Tensor | None = None,
     preact: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 with the gated activation fused; writes ``out`` rows of the slots in valid blocks.
 
@@ -463,6 +543,10 @@ def moe_gemm1(
         preact: [M*top_k, 2I] (slot-indexed, contiguous rows); when given, also receives the raw accumulators
             ``a @ w1[e].T`` (gate columns, then up), before the weight, the bias and the activation (training
             saves them for the backward). Unquantized calls only.
+        out_scale: float32 [M*top_k, ceil(I / gk)] (``gk = numerics.block_shape[1]``); when given (fp8_block
+            only, tiles of at least 16 rows with BLOCK_N a multiple of gk), ``out`` is float8_e4m3fn and receives
+            the activation quantized from its float32 value, one scale per slot and gk columns written here: GEMM2's
+            fp8_block input, with no separate quantization pass.
     """
     _check(a, w1, sorted_ids, block_expert, config, numerics)
     if preact is not None and (
@@ -478,6 +562,8 @@ def moe_gemm1(
     if two_i != 2 * I or a.shape[-1] != H or out.shape[-1] != I or out.shape[0] != a.shape[0] * top_k:
         raise ValueError(f"shape mismatch: a {tuple(a.shape)}, w1 {tuple(w1.shape)}, out {tuple(out.shape)}")
     _check_bias(bias, (E, two_i))
+    if out_scale is not None:
+        _check_fp8_output(out, out_scale, config, numerics, I)
     return _launch(
         a,
         w1,
@@ -495,6 +581,7 @@ def moe_gemm1(
         numerics,
         a_sorted=False,
         preact=preact,
+        out_scale=out_scale,
     )
 
 
