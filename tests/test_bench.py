@@ -1,5 +1,7 @@
 """The benchmark code paths on CPU: tiny shapes, asserting the properties the H200 tables report."""
 
+import json
+
 import pytest
 import torch
 
@@ -63,6 +65,62 @@ def test_floor_is_the_larger_of_memory_and_compute():
     assert us == pytest.approx(nbytes / 4e12 * 1e6)
     us, _, bound = floors.layer_floor_us(128, 16384, 8, 2048, 768, 2, c)
     assert bound == "compute" and us == pytest.approx(2 * 16384 * 8 * 3 * 2048 * 768 / 800e12 * 1e6)
+
+
+def test_fp8_rows_take_the_measured_fp8_rate():
+    """The compute floor of an fp8 row is its FLOPs at the measured fp8 matmul rate, or at twice the bf16 rate where
+    it was not measured (the summary line says which, and why); bf16 rows keep the bf16 rate. MXFP4 is weight-only
+    (bf16 GEMMs), so the bench asks for the fp8 floor for the w8a8 modes only."""
+    from fusedmoe.quant import QUANT_MODES, QuantConfig
+
+    flops = 2 * 16384 * 8 * 3 * 2048 * 768
+    measured = floors.Ceilings(copy_tb_s=4.0, read_tb_s=4.0, bf16_tflops=800.0, fp8_tflops=1200.0)
+    us, _, bound = floors.layer_floor_us(128, 16384, 8, 2048, 768, 1, measured, fp8=True)
+    assert bound == "compute" and us == pytest.approx(flops / 1200e12 * 1e6)
+    us, _, _ = floors.layer_floor_us(128, 16384, 8, 2048, 768, 2, measured)
+    assert us == pytest.approx(flops / 800e12 * 1e6)
+    assert measured.summary().endswith("bf16 matmul 800 TFLOP/s, fp8 matmul 1200 TFLOP/s (torch._scaled_mm)")
+    assumed = floors.Ceilings(copy_tb_s=4.0, read_tb_s=4.0, bf16_tflops=800.0, fp8_error="RuntimeError: no fp8")
+    us, _, _ = floors.layer_floor_us(128, 16384, 8, 2048, 768, 1, assumed, fp8=True)
+    assert assumed.fp8_rate_tflops == 1600.0 and us == pytest.approx(flops / 1600e12 * 1e6)
+    assert (
+        "fp8 matmul not measured (RuntimeError: no fp8): fp8 floors take 2 x bf16 = 1600 TFLOP/s" in assumed.summary()
+    )
+    assert [m for m in QUANT_MODES if QuantConfig.parse(m).fp8] == ["fp8_tensor", "fp8_token", "fp8_block"]
+
+
+def test_ceilings_json_keeps_its_keys_and_adds_fp8():
+    """The JSON of the ceilings has the old keys and the fp8 rate (null, with the reason, where not measured); a
+    file written before the fp8 rate was measured still reads back."""
+    c = floors.Ceilings(copy_tb_s=4.2, read_tb_s=4.1, bf16_tflops=790.0, fp8_tflops=1310.0)
+    saved = json.loads(json.dumps(c.as_dict()))
+    assert saved == {"copy_tb_s": 4.2, "read_tb_s": 4.1, "bf16_tflops": 790.0, "fp8_tflops": 1310.0, "fp8_error": None}
+    assert floors.Ceilings(**saved) == c
+    old = floors.Ceilings(**{"copy_tb_s": 4.2, "read_tb_s": 4.1, "bf16_tflops": 790.0})
+    assert old.fp8_tflops is None and old.fp8_rate_tflops == 1580.0
+
+
+def test_fp8_ceiling_falls_back_with_its_reason(monkeypatch):
+    """Where torch._scaled_mm fails (a GPU without fp8 tensor cores) or is missing, the fp8 rate is None with the
+    reason, and the floors fall back to 2x bf16."""
+
+    def fails(device):
+        raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0")
+
+    monkeypatch.setattr(floors, "_fp8_matmul_rate", fails)
+    rate, why = floors.fp8_ceiling(torch.device("cpu"))
+    assert rate is None and why.startswith("RuntimeError: torch._scaled_mm is only supported")
+    monkeypatch.delattr(torch, "_scaled_mm")
+    assert floors.fp8_ceiling(torch.device("cpu")) == (None, f"torch {torch.__version__} has no torch._scaled_mm")
+
+
+@pytest.mark.gpu
+def test_fp8_ceiling_is_measured_on_the_gpu():
+    """On a GPU with fp8 tensor cores (sm89+) the fp8 8192^3 matmul rate is measured, and above the bf16 one."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores")
+    rate, why = floors.fp8_ceiling(torch.device("cuda"))
+    assert why is None and rate > floors._matmul_rate(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])

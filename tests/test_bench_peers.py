@@ -5,6 +5,11 @@ vllm_fp8 (vLLM's fp8 Triton MoE kernel run from the wheel's files in .peers): it
 gives when absent, the stand-ins its vLLM imports resolve to, the alignment in vLLM's format, the arguments it
 hands over, vLLM's config-table lookup on a fake folder, and (with .peers filled by scripts/fetch-peers) its layer
 against the float64 reference under the CPU interpreter and on the GPU.
+
+scaled_grouped_mm (torch._scaled_grouped_mm on our fp8_token weights): its rowwise quantizer, the expert grouping
+and padding, the layer on the CPU with a stand-in for the GEMM that first runs torch's own argument checks (its meta
+kernel) against the float64 reference, which sweeps it joins and why it is absent; on the GPU, the layer against our
+fp8_token call and in a CUDA graph.
 """
 
 import base64
@@ -138,7 +143,7 @@ def test_peer_that_fails_to_set_up_is_an_error_row_and_ours_still_raise(monkeypa
         raise TypeError("no such layout")
 
     monkeypatch.setattr(kernel, "_make_call", broken)
-    for peer in ("grouped_mm", "triton_kernels", "triton_kernels_mxfp4"):
+    for peer in ("grouped_mm", "triton_kernels", "triton_kernels_mxfp4", "scaled_grouped_mm"):
         assert kernel._call_or_setup_error(peer, "shape") == (None, "TypeError: no such layout")
     for ours in ("triton", "triton_bf16", "torch"):
         with pytest.raises(TypeError, match="no such layout"):
@@ -169,13 +174,14 @@ def _fetch_peers_script():
 
 
 def test_quant_peers_of_a_sweep():
-    """vllm_fp8 joins every fp8 sweep (static per-tensor scales included), triton_kernels' MXFP4 path the MXFP4
-    one, neither a bf16 sweep."""
+    """vllm_fp8 joins every fp8 sweep (static per-tensor scales included), scaled_grouped_mm the per-token one only,
+    triton_kernels' MXFP4 path the MXFP4 one, none a bf16 sweep."""
     assert peers.quant_peers("bf16") == []
     assert peers.quant_peers("mxfp4") == ["triton_kernels_mxfp4"]
-    for dtype in ("fp8_block", "fp8_token", "fp8_tensor", "fp8_tensor_static"):
+    for dtype in ("fp8_block", "fp8_tensor", "fp8_tensor_static"):
         assert peers.quant_peers(dtype) == ["vllm_fp8"]
-    assert peers.is_peer("vllm_fp8")
+    assert peers.quant_peers("fp8_token") == ["vllm_fp8", "scaled_grouped_mm"]
+    assert peers.is_peer("vllm_fp8") and peers.is_peer("scaled_grouped_mm")
 
 
 def test_fetch_peers_writes_the_files_the_peer_reads():
@@ -449,3 +455,196 @@ def test_vllm_fp8_on_a_preset_shape_matches_ours_and_graphs(mode):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, out), (mode, M)
+
+
+# ---- scaled_grouped_mm ---------------------------------------------------------------------------------------------
+
+
+def test_rowwise_quantizer_is_our_fp8_token_rule():
+    """One float32 scale per row, max(amax, MIN_AMAX) / 448 (an all-zero row gets a finite one), and the e4m3 values
+    of our fp8_token activation quantization, for float32 and bf16 rows."""
+    from fusedmoe.quant import activation_scales, fake_quantize_activation
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 48, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    x[2] = 0
+    for rows in (x, x.bfloat16()):
+        q, scale = peers.quantize_rowwise(rows)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == rows.shape and scale.shape == (6,)
+        assert scale.dtype == torch.float32 and bool(torch.isfinite(scale).all()) and scale[2] > 0
+        torch.testing.assert_close(scale, activation_scales(rows, "fp8_token")[:, 0], rtol=0, atol=0)
+        dequantized = (q.float() * scale[:, None]).to(rows.dtype)
+        torch.testing.assert_close(dequantized, fake_quantize_activation(rows, "fp8_token"), rtol=0, atol=0)
+
+
+def test_expert_groups_sort_slots_and_pad_groups():
+    """Slots sorted by expert (stably), offsets the cumulative counts; with padding each group starts at a multiple
+    of ``align``, holds its slots first, and the operand's row count bounds every routing of the shape."""
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32)  # expert 3 gets nothing
+    order, rows, offs, total = peers.expert_groups(ids, 4)
+    assert order.tolist() == [1, 4, 3, 0, 2, 5] and rows.tolist() == list(range(6))
+    assert offs.dtype == torch.int32 and offs.tolist() == [2, 3, 6, 6] and total == 6
+    order, rows, offs, total = peers.expert_groups(ids, 4, align=4)
+    assert order.tolist() == [1, 4, 3, 0, 2, 5] and rows.tolist() == [0, 1, 4, 8, 9, 10]
+    assert offs.tolist() == [4, 8, 12, 12] and total == 6 + 4 * 3
+    g = torch.Generator().manual_seed(0)
+    for M, E, k, align in ((1, 8, 2, 16), (37, 8, 2, 16), (64, 128, 8, 16), (5, 16, 4, 1)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).int()
+        order, rows, offs, total = peers.expert_groups(ids, E, align)
+        flat = ids.flatten().long()
+        assert sorted(order.tolist()) == list(range(M * k)) and sorted(set(rows.tolist())) == sorted(rows.tolist())
+        assert offs[-1] <= total and int(rows.max()) < offs[-1]
+        starts = torch.cat([offs.new_zeros(1), offs[:-1]]).long()
+        sizes = (offs.long() - starts).tolist()
+        assert all(size % align == 0 for size in sizes)
+        counts = torch.bincount(flat, minlength=E)
+        for e in range(E):  # expert e's slots, in slot order, fill the first rows of its group
+            mine = [i for i, slot in enumerate(order.tolist()) if flat[slot] == e]
+            assert [order[i].item() for i in mine] == sorted(order[i].item() for i in mine)
+            assert rows[mine].tolist() == list(range(starts[e], starts[e] + counts[e]))
+            assert sizes[e] == -(-int(counts[e]) // align) * align
+
+
+def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False, sizes=None):
+    """torch._scaled_grouped_mm for a 2-D ``a`` grouped along its rows by ``offs`` and a 3-D ``b``, on the CPU:
+    torch's own argument checks first (its meta kernel, on meta copies of the arguments: dtypes, row-major a,
+    column-major b, scale shapes, int32 offsets), then those its CUDA kernel adds (K and N multiples of 16, fewer
+    than 1024 groups, non-decreasing offsets), then per group (a * scale_a) @ (b * scale_b) in float64, returned
+    in float64 so the comparison sees the layer's data path rather than bf16 rounding (rows past ``offs[-1]``,
+    which the real kernel leaves unwritten, hold NaN). ``sizes`` collects each call's group sizes."""
+    meta = [t.to("meta") for t in (a, b, scale_a, scale_b)]
+    check = torch.ops.aten._scaled_grouped_mm  # the op itself (a test may stand this function in for torch's)
+    shape = check(*meta, offs=offs.to("meta"), out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    assert out_dtype == torch.bfloat16 and shape.shape == (a.shape[0], b.shape[2])
+    assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0 and b.shape[2] % 16 == 0 and b.shape[0] < 1024
+    ends = offs.tolist()
+    out = torch.full(shape.shape, float("nan"), dtype=torch.float64)
+    start = 0
+    for group, end in enumerate(ends):
+        assert start <= end <= a.shape[0]
+        lhs = a[start:end].double() * scale_a[start:end, None].double()
+        out[start:end] = lhs @ (b[group].double() * scale_b[group][None, :].double())
+        start = end
+    if sizes is not None:
+        sizes.append([e - s for s, e in zip([0, *ends[:-1]], ends)])
+    return out
+
+
+def _fp8_token_weights(E, H, I, seed=0, device="cpu"):
+    from fusedmoe.quant import QuantConfig, quantize_weights
+
+    g = torch.Generator().manual_seed(seed)
+    w1, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    quant = QuantConfig.parse("fp8_token")
+    w1q, w2q, s1, s2 = (t.to(device) for t in quantize_weights(w1, w2, quant))
+    return dict(w1=w1q, w2=w2q, quant=quant, w1_scale=s1, w2_scale=s2)
+
+
+@pytest.mark.parametrize("align", [1, 16])
+@pytest.mark.parametrize("M", [1, 5, 40])
+def test_scaled_grouped_mm_layer_matches_the_reference(M, align):
+    """The peer's layer, its two GEMMs replaced by the CPU stand-in, computes our fp8_token layer: against the
+    float64 reference fed the same e4m3 weights and activations quantized by our rule, within float32 rounding;
+    with padding every group it hands over is a multiple of 16 rows."""
+    from fusedmoe.reference import fused_moe_reference
+    from fusedmoe.routing import route
+
+    E, H, I, k = 8, 64, 32, 2
+    quantized = _fp8_token_weights(E, H, I, seed=M)
+    g = torch.Generator().manual_seed(M)
+    x, logits = torch.randn(M, H, generator=g), torch.randn(M, E, generator=g)
+    w, ids = route(logits, k)
+    sizes = []
+
+    def stand_in(*args, **kwargs):
+        return _scaled_grouped_mm_on_cpu(*args, **kwargs, sizes=sizes)
+
+    args = [quantized[key] for key in ("w1", "w2", "w1_scale", "w2_scale")]
+    out = peers.scaled_grouped_mm_experts(x, w, ids, *args, align=align, grouped_mm=stand_in)
+    extra = {key: v for key, v in quantized.items() if key not in ("w1", "w2")}
+    ref = fused_moe_reference(x.double(), quantized["w1"], quantized["w2"], w, ids, **extra)
+    assert out.dtype == x.dtype and out.shape == (M, H)
+    assert peers.check_close(out, ref) < 1e-5
+    assert len(sizes) == 2 and sizes[0] == sizes[1] and len(sizes[0]) == E
+    assert all(size % align == 0 for size in sizes[0]) and sum(sizes[0]) >= M * k
+
+
+def test_scaled_grouped_mm_peer_runs_fp8_token_sweeps_only(monkeypatch):
+    """The bench gets a call for an fp8_token sweep (through ``_make_call``, routing included, with torch's GEMM
+    stood in for here) that computes our layer; none for other weight modes, an expert-parallel slice, or H or I
+    not a multiple of 16; and where the peer cannot run it says why."""
+    from fusedmoe.quant import QuantConfig
+    from fusedmoe.reference import fused_moe_reference
+    from fusedmoe.routing import route
+    from fusedmoe.tools.bench.kernel import Shape, _make_call
+
+    assert peers.QUANT_PEERS["scaled_grouped_mm"] == ("fp8_token",)
+    ok, why = peers.available("scaled_grouped_mm")
+    if not torch.cuda.is_available():
+        assert not ok and "compute capability 9.0" in why
+    monkeypatch.setattr(peers, "scaled_grouped_mm_absent", lambda: None)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_on_cpu)
+    E, H, I, k = 8, 64, 32, 2
+    shape = Shape("t", E, E, k, H, I, {})
+    quantized = _fp8_token_weights(E, H, I)
+    x, logits = torch.randn(6, H), torch.randn(6, E)
+    call = _make_call("scaled_grouped_mm", shape, x, None, None, quantized, None, None)
+    w, ids = route(logits, k)
+    extra = {key: v for key, v in quantized.items() if key not in ("w1", "w2")}
+    ref = fused_moe_reference(x.double(), quantized["w1"], quantized["w2"], w, ids, **extra)
+    assert peers.check_close(call(logits), ref) < 1e-5
+    for mode in ("fp8_tensor", "fp8_block", "mxfp4"):
+        other = {"quant": QuantConfig.parse(mode)}
+        assert _make_call("scaled_grouped_mm", shape, x, None, None, other, None, None) is None
+        assert peers.make_scaled_grouped_mm(x, other, k, {}) is None
+    assert _make_call("scaled_grouped_mm", shape, x, None, None, quantized, torch.arange(E), None) is None
+    for H, I in ((40, 32), (64, 24)):
+        assert peers.make_scaled_grouped_mm(torch.randn(2, H), _fp8_token_weights(E, H, I), k, {}) is None
+
+
+def test_scaled_grouped_mm_absent_says_why(monkeypatch):
+    """A torch without the op is named; the padding is 16 rows for a torch older than 2.9 only."""
+    monkeypatch.delattr(torch, "_scaled_grouped_mm")
+    ok, why = peers.available("scaled_grouped_mm")
+    assert not ok and "has no torch._scaled_grouped_mm" in why and torch.__version__ in why
+    for version, align in (("2.7.1+cu126", 16), ("2.8.0", 16), ("2.9.0", 1), ("2.11.0+cu128", 1)):
+        monkeypatch.setattr(torch, "__version__", version)
+        assert peers.scaled_grouped_mm_row_align() == align
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align", [1, 16])
+def test_scaled_grouped_mm_on_the_gpu_matches_ours_and_graphs(align):
+    """On the GPU, a small shape and qwen3-30b-a3b's: the bench's call of torch._scaled_grouped_mm's layer (routing
+    included; unpadded as it runs on torch 2.9+, and with 16-row groups as on an older torch) agrees with our
+    fp8_token call on the same weights and routing and with the float64 reference, and replays in a CUDA graph to
+    the same output (the bench times it that way)."""
+    from fusedmoe import fused_moe
+    from fusedmoe.reference import fused_moe_reference
+    from fusedmoe.routing import route
+
+    why = peers.scaled_grouped_mm_absent()
+    if why:
+        pytest.skip(why)
+    for E, H, I, k in ((16, 256, 128, 4), (128, 2048, 768, 8)):
+        quantized = _fp8_token_weights(E, H, I, device="cuda")
+        extra = {key: v for key, v in quantized.items() if key not in ("w1", "w2")}
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for M in (1, 33, 512):
+            x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=g)
+            logits = torch.randn(M, E, device="cuda", generator=g)
+            call = peers.make_scaled_grouped_mm(x, quantized, k, {}, align=align)
+            out = call(logits)
+            w, ids = route(logits, k)
+            ours = fused_moe(x, quantized["w1"], quantized["w2"], w, ids, **extra)
+            ref = fused_moe_reference(x.double(), quantized["w1"], quantized["w2"], w, ids, **extra)
+            assert out.dtype == torch.bfloat16 and out.shape == (M, H)
+            assert peers.check_close(out, ours) < tolerance(torch.bfloat16, quantized=True), (E, M)
+            assert peers.check_close(out, ref) < tolerance(torch.bfloat16, quantized=True), (E, M)
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                replayed = call(logits)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, out), (E, M)

@@ -4,7 +4,8 @@ Method (docs/architecture.md, DESIGN.md): ceilings measured at the start of the 
 median over CUDA-graph replays of 10 captured calls, each with its own router logits, so small batches do not
 find their experts' weights in L2; eager wall and host time are measured too. Each row reports the time, its
 ratio to the floor (weights of the distinct experts touched over read bandwidth, or FLOPs over the measured
-bf16 rate, whichever is larger), the achieved TB/s and TFLOP/s, and the speed-up over each baseline.
+bf16 rate, whichever is larger; FLOPs over the measured fp8 rate for rows running fp8 weights and activations),
+the achieved TB/s and TFLOP/s, and the speed-up over each baseline.
 """
 
 from __future__ import annotations
@@ -126,10 +127,7 @@ def main(args: argparse.Namespace) -> int:
             if ok and name not in backends:
                 backends.append(name)
     ceil = floors.measure_ceilings(device)
-    print(
-        f"ceilings: copy {ceil.copy_tb_s:.2f} TB/s (read+write), read {ceil.read_tb_s:.2f} TB/s, "
-        f"bf16 matmul {ceil.bf16_tflops:.0f} TFLOP/s"
-    )
+    print(f"ceilings: {ceil.summary()}")
     w1, w2, quantized = _weights(shape, args.dtype, device)
     expert_map = _expert_map(shape, device)
     manager = WorkspaceManager(device, strategy="shared")

@@ -19,6 +19,8 @@ Quantized peers run the very weights our quantized call runs (``make(x, quantize
 - ``vllm_fp8``: vLLM's fp8 w8a8 Triton MoE GEMM (``fused_moe_kernel``), its host launch and its tuned config tables,
   run from the unmodified files of one vLLM wheel in ``.peers/vllm-VERSION/`` (``scripts/fetch-peers``), no vLLM
   installed: see :func:`load_vllm_fused_moe` for how, and :func:`vllm_fp8_experts` for what else the layer runs.
+- ``scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (torch's CUTLASS fp8 grouped GEMM with rowwise scales, sm90)
+  twice with torch glue, on our fp8_token weights: :func:`scaled_grouped_mm_experts`.
 """
 
 from __future__ import annotations
@@ -44,8 +46,15 @@ import torch
 PEERS = ("vllm", "triton_kernels", "grouped_mm")
 #: The fp8 weight modes of the vllm_fp8 peer (vLLM's fp8_w8a8 per tensor, per channel x per token, and in blocks).
 VLLM_FP8_MODES = ("fp8_tensor", "fp8_token", "fp8_block")
+#: The weight mode of the scaled_grouped_mm peer: per-token activation x per-output-channel weight scales, what
+#: torch's fp8 grouped GEMM calls rowwise scaling.
+SCALED_GROUPED_MM_MODES = ("fp8_token",)
 #: Peers of a quantized sweep that run our quantized weights: name -> the weight modes they take.
-QUANT_PEERS = {"triton_kernels_mxfp4": ("mxfp4",), "vllm_fp8": VLLM_FP8_MODES}
+QUANT_PEERS = {
+    "triton_kernels_mxfp4": ("mxfp4",),
+    "vllm_fp8": VLLM_FP8_MODES,
+    "scaled_grouped_mm": SCALED_GROUPED_MM_MODES,
+}
 
 
 def quant_peers(dtype: str) -> list[str]:
@@ -71,6 +80,13 @@ def available(name: str) -> tuple[bool, str]:
         from .baselines import grouped_mm_available
 
         return (True, f"torch {torch.__version__}") if grouped_mm_available() else (False, "needs sm90+")
+    if name == "scaled_grouped_mm":
+        why = scaled_grouped_mm_absent()
+        if why:
+            return False, why
+        align = scaled_grouped_mm_row_align()
+        padded = f", expert groups padded to {align} rows" if align > 1 else ""
+        return True, f"torch {torch.__version__} _scaled_grouped_mm (rowwise fp8, CUTLASS{padded})"
     if name == "vllm_fp8":
         try:
             root = vllm_peer_folder()
@@ -697,6 +713,145 @@ def make_vllm_fp8(x, quantized: dict, top_k: int, routing: dict):
     return call
 
 
+# ---- scaled_grouped_mm: torch's fp8 grouped GEMM with rowwise scales -----------------------------------------------
+#
+# What torch._scaled_grouped_mm takes for a 2-D operand grouped along its rows by ``offs`` against a 3-D one (its
+# checks in aten/src/ATen/native/cuda/GroupedBlas.cpp, their meta twin in torch/_meta_registrations.py, the group
+# set-up in aten/src/ATen/native/cuda/GroupMMCommon.cuh): e4m3 ``mat_a`` [R, K] row-major and ``mat_b`` [G, K, N]
+# column-major (our [E, N, K] weights transposed, no copy), K and N multiples of 16 (16-byte rows); float32
+# ``scale_a`` [R] (one per row) and ``scale_b`` [G, N] (one per output channel, contiguous along N); ``offs`` int32
+# [G], the end row of each group (an empty group is allowed); bf16 output [R, N], rows past ``offs[-1]`` left
+# unwritten; fewer than 1024 groups (its sm90 kernel); compute capability 9.0 or 10.0 (its device check), while
+# the rowwise kernel itself is built for sm90 only. Before the group set-up's alignment check was narrowed
+# (pytorch PR 155466, June 2025; in torch 2.9 and later for certain) it asserted on the device that every group's
+# row count be a multiple of 16 bytes of e4m3, i.e. 16 rows; since then rows of a row-major 2-D operand grouped
+# along M are not checked (each group starts at a multiple of the 16-byte row stride anyway), so no padding is
+# needed there. Everything below runs on the device without a host sync and with shapes fixed by M, k and E, so a
+# call can be captured in a CUDA graph.
+
+
+def scaled_grouped_mm_absent() -> str | None:
+    """Why the scaled_grouped_mm peer cannot run here, or None when it can."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    need = "needs compute capability 9.0 (torch's rowwise fp8 grouped GEMM is a CUTLASS sm90 kernel)"
+    if not torch.cuda.is_available():
+        return f"{need}: no CUDA GPU here"
+    major, minor = torch.cuda.get_device_capability()
+    return None if major == 9 else f"{need}, not {major}.{minor}"
+
+
+def scaled_grouped_mm_row_align() -> int:
+    """Rows each expert's group is padded to a multiple of: 16 for a torch older than 2.9 (whose grouped GEMMs
+    assert it on the device), 1 (no padding) otherwise; see the section's comment."""
+    return 1 if torch.torch_version.TorchVersion(torch.__version__) >= "2.9" else 16
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (e4m3 [R, K], float32 scales [R]): one scale per row, ``max(amax, MIN_AMAX) / 448``, and
+    ``x / scale`` saturated to +-448: the rule of our fp8_token activation quantization
+    (:func:`fusedmoe.quant.activation_scales`), in torch ops (an amax, a division, a cast)."""
+    from ...quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
+
+    scale = x.abs().amax(dim=1).float().clamp_min(MIN_AMAX) / FP8_MAX
+    q = (x.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def expert_groups(topk_ids: torch.Tensor, num_experts: int, align: int = 1):
+    """The slots of ``topk_ids`` [M, k] (valid expert ids) grouped by expert as a grouped GEMM's 2-D operand holds
+    them: ``(order, rows, offs, total)``.
+
+    ``order``: int64 [M*k], the flat slot ids sorted by expert (stable: in slot order within an expert);
+    ``rows``: int64 [M*k], the operand row of slot ``order[i]``: ``i`` when ``align`` is 1, else each expert's rows
+    start at a multiple of ``align`` (padding rows fill each group up to one); ``offs``: int32 [E], the end row of
+    each expert's group, padded; ``total``: the operand's row count, M*k, or with padding the bound
+    M*k + min(E, M*k) * (align - 1) (its rows past ``offs[-1]`` are in no group). Device ops only, no host sync."""
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat.index_select(0, order)
+    experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+    ends = torch.searchsorted(sorted_ids, experts, right=True)
+    if align == 1:
+        return order, torch.arange(n, device=flat.device), ends.to(torch.int32), n
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded, 0)
+    # each slot's sorted position, moved by its expert's padded start minus its start
+    shift = (padded_ends - padded) - (ends - counts)
+    rows = torch.arange(n, device=flat.device) + shift.index_select(0, sorted_ids)
+    return order, rows, padded_ends.to(torch.int32), n + min(num_experts, n) * (align - 1)
+
+
+def scaled_grouped_mm_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    align: int = 1,
+    use_fast_accum: bool = True,
+    grouped_mm=None,
+) -> torch.Tensor:
+    """One SwiGLU experts layer on fp8_token weights (e4m3 ``w1`` [E, 2I, H], ``w2`` [E, H, I], float32 scales
+    [E, 2I] and [E, H]) through two ``torch._scaled_grouped_mm`` calls (``grouped_mm``: a stand-in taking the same
+    arguments, for tests on the CPU), after routing: ``topk_weights`` / ``topk_ids`` [M, k].
+
+    Each token is quantized once (:func:`quantize_rowwise`, per row of x, as our fp8_token call quantizes its
+    input) and its rows are gathered into expert order (:func:`expert_groups`; groups padded to ``align`` rows with
+    zero rows); GEMM1 with per-row x per-channel scales and bf16 output; SiLU(gate) * up in torch (gate rows then
+    up rows, as our w1 holds them); the rowwise quantization again; GEMM2; then each slot's row, times its routing
+    weight, summed over the top k per token in slot order (a deterministic sum). ``use_fast_accum``: CUTLASS's fast
+    fp8 accumulation, the way Triton's fp8 dots (ours) accumulate on sm90 by default."""
+    gmm = grouped_mm if grouped_mm is not None else torch._scaled_grouped_mm
+    M, H = x.shape
+    k = topk_ids.shape[1]
+    inter = w1.shape[1] // 2
+    order, rows, offs, total = expert_groups(topk_ids, w1.shape[0], align)
+    q, scale = quantize_rowwise(x)
+    tokens = order // k
+    if align == 1:
+        a1 = q.view(torch.uint8).index_select(0, tokens).view(q.dtype)
+        s1 = scale.index_select(0, tokens)
+    else:
+        a1 = torch.zeros(total, H, device=x.device, dtype=torch.uint8)
+        a1.index_copy_(0, rows, q.view(torch.uint8).index_select(0, tokens))
+        a1 = a1.view(q.dtype)
+        s1 = torch.ones(total, device=x.device, dtype=torch.float32).index_copy_(0, rows, scale.index_select(0, tokens))
+    h = gmm(a1, w1.transpose(-2, -1), s1, w1_scale, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
+    a2, s2 = quantize_rowwise(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:])
+    y = gmm(a2, w2.transpose(-2, -1), s2, w2_scale, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
+    slot_rows = torch.empty_like(rows).index_copy_(0, order, rows)  # the operand row of each slot, in slot order
+    y = y.index_select(0, slot_rows).view(M, k, H)
+    return (y * topk_weights.to(y.dtype).unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def make_scaled_grouped_mm(x, quantized: dict, top_k: int, routing: dict, align: int | None = None):
+    """``torch._scaled_grouped_mm`` experts (:func:`scaled_grouped_mm_experts`) on our fp8_token weights and scales
+    (the very tensors our call runs), after :func:`fusedmoe.routing.route`, groups padded to ``align`` rows (default:
+    :func:`scaled_grouped_mm_row_align`); None for other weight modes, for H or I not a multiple of 16 (its shape
+    checks) and for 1,024 experts or more (its kernel's group limit)."""
+    from ...routing import route
+
+    if quantized["quant"].mode not in SCALED_GROUPED_MM_MODES:
+        return None
+    w1, w2, s1, s2 = quantized["w1"], quantized["w2"], quantized["w1_scale"], quantized["w2_scale"]
+    E, _, H = w1.shape
+    if H % 16 or w2.shape[2] % 16 or E >= 1024:
+        return None
+    align = align or scaled_grouped_mm_row_align()
+
+    def call(logits):
+        w, ids = route(logits, top_k, **routing)
+        return scaled_grouped_mm_experts(x, w, ids, w1, w2, s1, s2, align=align)
+
+    return call
+
+
 def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
     from ...routing import route
     from .baselines import grouped_mm_moe
@@ -709,7 +864,11 @@ def make_grouped_mm(x, w1, w2, top_k: int, routing: dict):
 
 
 MAKERS = {"vllm": make_vllm, "triton_kernels": make_triton_kernels, "grouped_mm": make_grouped_mm}
-QUANT_MAKERS = {"triton_kernels_mxfp4": make_triton_kernels_mxfp4, "vllm_fp8": make_vllm_fp8}
+QUANT_MAKERS = {
+    "triton_kernels_mxfp4": make_triton_kernels_mxfp4,
+    "vllm_fp8": make_vllm_fp8,
+    "scaled_grouped_mm": make_scaled_grouped_mm,
+}
 
 
 def is_peer(backend: str) -> bool:
