@@ -20,6 +20,7 @@ import torch
 
 from fusedmoe import WorkspaceManager, fused_moe, get_kernel, route
 from fusedmoe.checks import check_fused_moe_args
+from fusedmoe.mxfp4_layout import from_mma_layout, to_mma_layout
 from fusedmoe.ops.configs import MoEConfig, pinned_config
 from fusedmoe.quant import QuantConfig, dequantize_weight, quantize_weights
 from fusedmoe.reference import fused_moe_reference, relative_error
@@ -28,7 +29,7 @@ DEV = torch.device("cuda")
 H, I, E, K, GLOBAL_E = 320, 224, 8, 3, 13  # H, I not multiples of the usual tiles: masked edges
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 PAD = 4096
-QUANTS = [None, "fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block", "mxfp4"]
+QUANTS = [None, "fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block", "mxfp4", "mxfp4_mma"]
 #: --block-m: every call's tiles pinned to this many rows (below 16: the multiply-add K loops, fp8 weight-only)
 BLOCK_M: list[int | None] = [None]
 FAILURES: list[str] = []
@@ -49,7 +50,9 @@ def make(M: int, quant: str | None, seed: int) -> tuple[dict, dict]:
     kw: dict = {}
     if quant is not None:
         q = QuantConfig.parse(quant)
-        w1, w2, s1, s2 = quantize_weights(w1, w2, q)
+        w1, w2, s1, s2 = quantize_weights(w1, w2, "mxfp4" if quant == "mxfp4_mma" else q)
+        if quant == "mxfp4_mma":  # the layout FusedMoE holds (fusedmoe.mxfp4_layout)
+            (w1, s1), (w2, s2) = to_mma_layout(w1, s1, gated=True), to_mma_layout(w2, s2, gated=False)
         kw.update(quant=q, w1_scale=s1.to(DEV), w2_scale=s2.to(DEV))
         if q.static_activation_scale:
             kw.update(a1_scale=torch.tensor([4.0 / 448], device=DEV), a2_scale=torch.tensor([0.5 / 448], device=DEV))
@@ -121,6 +124,12 @@ def reference(t: dict, kw: dict) -> torch.Tensor:
     """The float64 reference of the call; fp8 weights in decode-sized blocks run weight-only (w8a16), so their
     reference is the float one on the dequantized weights."""
     q = kw.get("quant")
+    if q is not None and q.kernel_mode == "mxfp4_mma":  # the same weights in the checkpoint layout
+        w1, s1 = from_mma_layout(t["w1"], kw["w1_scale"], H, gated=True)
+        w2, s2 = from_mma_layout(t["w2"], kw["w2_scale"], I, gated=False)
+        return fused_moe_reference(
+            t["hidden_states"], w1, w2, t["topk_weights"], t["topk_ids"], quant="mxfp4", w1_scale=s1, w2_scale=s2
+        )
     if q is None or not q.fp8 or (BLOCK_M[0] or 16) >= 16:
         return fused_moe_reference(*t.values(), **kw)
     w1, w2 = (dequantize_weight(t[w], kw[f"{w}_scale"], q) for w in ("w1", "w2"))

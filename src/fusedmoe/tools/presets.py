@@ -89,6 +89,19 @@ PRESETS: dict[str, Preset] = {
             local_experts=32,
             note="one GPU holds an expert-parallel slice of 32 of the 256 experts",
         ),
+        Preset(
+            "deepseek-v3-routed",
+            256,
+            8,
+            7168,
+            2048,
+            58,
+            scoring="sigmoid",
+            num_expert_groups=8,
+            topk_groups=4,
+            routed_scaling_factor=2.5,
+            note="all 256 routed experts on one GPU (its fp8 weights take 11.3 GB); no shared expert",
+        ),
         Preset("mixtral-8x7b", 8, 2, 4096, 14336, 32),
         Preset(
             "gpt-oss-20b",
@@ -114,7 +127,14 @@ PRESETS: dict[str, Preset] = {
 }
 
 #: Presets whose tuned-config files we ship (one GPU holds all their experts).
-CONFIG_PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v2-lite", "mixtral-8x7b", "gpt-oss-20b")
+CONFIG_PRESETS = (
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "deepseek-v2-lite",
+    "deepseek-v3-routed",
+    "mixtral-8x7b",
+    "gpt-oss-20b",
+)
 
 
 def get_preset(name: str) -> Preset:
