@@ -369,7 +369,8 @@ def _slice_map(E, gE):
     return m
 
 
-PRESET_CASES = [(name, "bf16", M) for name in PRESETS for M in MS]
+# (deepseek-v3-routed is deepseek-v3's layer with all its experts: sliced to 32 here, the same case)
+PRESET_CASES = [(name, "bf16", M) for name in PRESETS if name != "deepseek-v3-routed" for M in MS]
 PRESET_CASES += [
     ("qwen3-30b-a3b", qm, M)
     for qm in ("fp8_tensor", "fp8_tensor_static", "fp8_token", "fp8_block")
