@@ -50,18 +50,18 @@ def _reference(x, w1, w2, s1, s2, topk_weights, topk_ids) -> torch.Tensor:
     return (out.view(M, k, -1) * topk_weights.view(M, k, 1).to(torch.bfloat16)).sum(dim=1)
 
 
-@pytest.mark.parametrize(
-    "M,I,E,top_k",
-    [
-        (16, 4608, 6, 2),  # DeepSeek-V3's H with its TP-8 intermediate slice
-        (83, 4608, 8, 2),
-        (192, 1024, 8, 6),  # a DeepGEMM-test shape
-        (1, 4608, 2, 1),
-    ],
-)
-def test_fp8_block_within_vllm_tolerance_at_k7168(M, I, E, top_k):
-    H = 7168
-    g = torch.Generator(device="cuda").manual_seed(0)
+#: (M, I, E, top_k) at H = 7168
+CASES = [
+    (16, 4608, 6, 2),  # DeepSeek-V3's H with its TP-8 intermediate slice
+    (83, 4608, 8, 2),
+    (192, 1024, 8, 6),  # a DeepGEMM-test shape
+    (1, 4608, 2, 1),
+]
+
+
+def recipe_inputs(M: int, I: int, E: int, top_k: int, H: int = 7168, seed: int = 0):
+    """(x, w1, w2, w1_scale, w2_scale, quant, topk_weights, topk_ids) of the recipe on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(M, H, device="cuda", generator=g) / 10).to(torch.bfloat16)
     w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / 15).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) / 15).to(torch.bfloat16)
@@ -69,7 +69,12 @@ def test_fp8_block_within_vllm_tolerance_at_k7168(M, I, E, top_k):
     w1, w2, s1, s2 = quantize_weights(w1, w2, q)
     score = torch.randn(M, E, device="cuda", generator=g).to(torch.bfloat16)
     topk_weights, topk_ids = torch.topk(torch.softmax(score.float(), dim=-1), top_k)
-    topk_ids = topk_ids.to(torch.int32)
+    return x, w1, w2, s1, s2, q, topk_weights, topk_ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("M,I,E,top_k", CASES)
+def test_fp8_block_within_vllm_tolerance_at_k7168(M, I, E, top_k):
+    x, w1, w2, s1, s2, q, topk_weights, topk_ids = recipe_inputs(M, I, E, top_k)
     out = fused_moe(x, w1, w2, topk_weights, topk_ids, quant=q, w1_scale=s1, w2_scale=s2, backend="triton")
     ref = _reference(x, w1, w2, s1, s2, topk_weights, topk_ids)
     torch.testing.assert_close(out, ref, atol=TOLERANCE, rtol=TOLERANCE)

@@ -71,6 +71,19 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+#: Diagnostic switch: ``FUSEDMOE_FP8_BLOCK_ACC=N`` makes each fp8_block K tile's tensor-core product add its partial
+#: sums into float32 every N elements of K (Triton's ``max_num_imprecise_acc``); unset, the wgmma accumulates the
+#: whole tile in its own fp8 accumulation precision.
+ENV_FP8_BLOCK_ACC = "FUSEDMOE_FP8_BLOCK_ACC"
+_FP8_BLOCK_ACC = tl.constexpr(int(os.environ[ENV_FP8_BLOCK_ACC]) if os.environ.get(ENV_FP8_BLOCK_ACC) else None)
+
+
+@triton.jit
+def _block_dot(a, b):
+    """One fp8_block K tile's product ``a @ b`` in float32 (see :data:`ENV_FP8_BLOCK_ACC`)."""
+    return tl.dot(a, b, max_num_imprecise_acc=_FP8_BLOCK_ACC)
+
+
 @triton.jit
 def _activate(gate, up, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:  # silu(g) * u
@@ -789,9 +802,9 @@ def _k_loop_dense(
         if QUANT == 3 and TILE_W_SCALE:
             kg = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
-            d_g = tl.dot(a, g)
+            d_g = _block_dot(a, g)
             if GATED:
-                d_u = tl.dot(a, u)
+                d_u = _block_dot(a, u)
             acc_g = tl.fma(d_g, (a_s * tl.load(gs_ptrs + kg * stride_wsk))[:, None], acc_g)
             if GATED:
                 acc_u = tl.fma(d_u, (a_s * tl.load(us_ptrs + kg * stride_wsk))[:, None], acc_u)
@@ -801,9 +814,9 @@ def _k_loop_dense(
             g_s = tl.load(gs_ptrs + kg * stride_wsk)
             if GATED:
                 u_s = tl.load(us_ptrs + kg * stride_wsk)
-            acc_g += tl.dot(a, g) * a_s[:, None] * g_s[None, :]
+            acc_g += _block_dot(a, g) * a_s[:, None] * g_s[None, :]
             if GATED:
-                acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+                acc_u += _block_dot(a, u) * a_s[:, None] * u_s[None, :]
         else:
             acc_g = _mma(a, g, acc_g, IEEE)
             if GATED:
@@ -872,7 +885,7 @@ def _k_loop_fp8_weights_first(
             kg = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
             w_s = tl.load(ws_ptrs + kg * stride_wsk)
-            acc = tl.fma(tl.dot(w, a.trans()), w_s[:, None] * a_s[None, :], acc)
+            acc = tl.fma(_block_dot(w, a.trans()), w_s[:, None] * a_s[None, :], acc)
         else:
             acc = tl.dot(w, a.trans(), acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -952,7 +965,7 @@ def _k_loop_gate_up(
         if QUANT == 3:
             kg = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_ok, other=0.0)
-            d_g, d_u = tl.split(tl.reshape(tl.dot(a, w), [rows.shape[0], BLOCK_N, 2]))
+            d_g, d_u = tl.split(tl.reshape(_block_dot(a, w), [rows.shape[0], BLOCK_N, 2]))
             acc_g = tl.fma(d_g, (a_s * tl.load(gs_ptr + kg * stride_wsk))[:, None], acc_g)
             acc_u = tl.fma(d_u, (a_s * tl.load(us_ptr + kg * stride_wsk))[:, None], acc_u)
         else:
