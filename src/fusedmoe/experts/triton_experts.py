@@ -250,7 +250,6 @@ def _gemm1_call(c, sorted_ids, block_expert, act, a, a_scale, act_scale=None) ->
         topk_weights=weights,
         preact=x.preact,
         out_scale=act_scale,
-        round_act=p.dtype if c.launch.quant_mode in FP8_MODES else None,
         **opts,
     )
 

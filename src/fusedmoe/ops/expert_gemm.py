@@ -100,29 +100,6 @@ def _activate(gate, up, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _round(x, ROUND: tl.constexpr):
-    """float32 ``x`` rounded to bf16 (ROUND 1) or fp16 (2) and widened back; as it is for 0."""
-    if ROUND == 1:
-        x = x.to(tl.bfloat16).to(tl.float32)
-    elif ROUND == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _activate_rounded(gate, up, ACTIVATION: tl.constexpr, ROUND: tl.constexpr):
-    """:func:`_activate` with the rounding points of an unfused layer in the activation dtype (ROUND, see
-    :func:`_round`): gate and up rounded first, SiLU's output rounded before the product (SiLU-and-mul in two
-    ops), the result rounded."""
-    gate, up = _round(gate, ROUND), _round(up, ROUND)
-    if ACTIVATION == 0:
-        res = _round(gate * tl.sigmoid(gate), ROUND) * up
-    else:
-        res = _activate(gate, up, ACTIVATION)
-    return _round(res, ROUND)
-
-
-@triton.jit
 def columns(pid_n, N, BLOCK_N: tl.constexpr):
     """(offs_n, n_ok, offs_nw) of output tile ``pid_n``: the columns, their store mask, and the columns wrapped
     into [0, N) as int64 (what the K loop and the column-indexed loads read)."""
@@ -994,7 +971,6 @@ def epilogue(
     OUT_FP8: tl.constexpr = 0,
     OUT_GROUP: tl.constexpr = 128,
     out_scale=None,
-    ROUND_ACT: tl.constexpr = 0,
 ):
     """Finish a tile of :func:`k_loop` and store it.
 
@@ -1008,8 +984,7 @@ def epilogue(
       ``out_ptr[expert * stride_oe + out_rows[i] * stride_om + offs_n[j] * stride_on]`` for ``row_ok[i]`` and
       ``n_ok[j]``, in ``out_ptr``'s element type (``stride_oe`` 0 when the rows index one shared matrix).
 
-    GATED stores ``activation(gate, up)`` (``ACTIVATION``: a code of :data:`ACTIVATION_CODES`), else ``acc_g``;
-    ``ROUND_ACT`` (1 bf16, 2 fp16) rounds where a layer computing in that dtype rounds (:func:`_activate_rounded`).
+    GATED stores ``activation(gate, up)`` (``ACTIVATION``: a code of :data:`ACTIVATION_CODES`), else ``acc_g``.
 
     ``OUT_FP8`` (1; 2 rounds to e4m3 in float32 first, for the CPU interpreter's conversion): the result is
     quantized to fp8 from its float32 value, one scale per row and OUT_GROUP columns (BLOCK_N a multiple of
@@ -1028,9 +1003,7 @@ def epilogue(
         acc_g += tl.load(b_base + offs_nw * stride_bn).to(tl.float32)[None, :]
         if GATED:
             acc_u += tl.load(b_base + (offs_nw + N) * stride_bn).to(tl.float32)[None, :]
-    if GATED and ROUND_ACT != 0:
-        res = _activate_rounded(acc_g, acc_u, ACTIVATION, ROUND_ACT)
-    elif GATED:
+    if GATED:
         res = _activate(acc_g, acc_u, ACTIVATION)
     else:
         res = acc_g

@@ -128,7 +128,6 @@ def _moe_gemm(
     stride_osm=0,
     stride_osk=0,
     OUT_FP8: tl.constexpr = 0,
-    ROUND_ACT: tl.constexpr = 0,
 ):
     """Output rows are slots; activation (and activation-scale) rows are ``slot // top_k``: tokens for GEMM1,
     the slots themselves for GEMM2 (top_k = 1), or with ``A_SORTED`` the aligned positions themselves.
@@ -139,8 +138,7 @@ def _moe_gemm(
     flattened into the K loop (the next tile's loads overlap this one's epilogue), 3 also warp-specialized.
     ``INTERLEAVE`` (GEMM1, ``GemmConfig.interleave``): gate and up as one dot (``expert_gemm._k_loop_gate_up``).
     ``OUT_FP8`` (fp8_block GEMM1): the output is stored as fp8 with one scale per row and GROUP_K columns, written
-    to ``out_scale_ptr`` (``expert_gemm.epilogue``). ``ROUND_ACT``: GEMM1's activation rounded where a layer in
-    that dtype rounds (``expert_gemm.epilogue``)."""
+    to ``out_scale_ptr`` (``expert_gemm.epilogue``)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # the runtime arguments a tile reads besides its coordinates, handed to _gemm_tile as one tuple
     args = (
@@ -204,7 +202,6 @@ def _moe_gemm(
             TILE_W_SCALE,
             WEIGHTS_FIRST,
             OUT_FP8,
-            ROUND_ACT,
         )
     else:
         valid_m = _valid_blocks(block_expert_ptr, num_pid_m)
@@ -237,7 +234,6 @@ def _moe_gemm(
                 TILE_W_SCALE,
                 WEIGHTS_FIRST,
                 OUT_FP8,
-                ROUND_ACT,
             )
 
 
@@ -277,7 +273,6 @@ def _gemm_tile(
     TILE_W_SCALE: tl.constexpr,
     WEIGHTS_FIRST: tl.constexpr,
     OUT_FP8: tl.constexpr,
-    ROUND_ACT: tl.constexpr,
 ):
     """One output tile of :func:`_moe_gemm`: BLOCK_M aligned slots of ``expert`` x BLOCK_N columns; ``args`` are
     the kernel's runtime arguments in the order :func:`_moe_gemm` packs them."""
@@ -374,7 +369,6 @@ def _gemm_tile(
         OUT_FP8,
         GROUP_K,
         out_scale,
-        ROUND_ACT,
     )
 
 
@@ -400,10 +394,6 @@ def _bias_strides(bias):
 def _check_bias(bias, shape):
     if bias is not None and tuple(bias.shape) != shape:
         raise ValueError(f"bias must have shape {list(shape)}, got {list(bias.shape)}")
-
-
-#: ``round_act`` dtypes and their ROUND_ACT codes (float32 rounds nothing)
-_ROUNDING = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def _fp8_output(scale: torch.Tensor) -> dict:
@@ -464,7 +454,6 @@ def _launch(
     a_sorted,
     preact=None,
     out_scale=None,
-    round_act=None,
 ):
     """One ``_moe_gemm`` launch writing ``out`` [n_slots, N]: GEMM1 when ``activation`` is given (gated: ``w``
     holds gate rows then up rows; ``topk_weights`` scale the input rows), else GEMM2 (``topk_weights`` scale
@@ -517,7 +506,6 @@ def _launch(
         **({"TILE_W_SCALE": True} if tile_scale else {}),
         **({"WEIGHTS_FIRST": True} if weights_first_fp8(num.mode, config, activation is not None) else {}),
         **({} if out_scale is None else _fp8_output(out_scale)),
-        **({"ROUND_ACT": _ROUNDING[round_act]} if round_act in _ROUNDING else {}),
         **persistent,
         **tile_meta(config, num, a.dtype, K, activation),
     )
@@ -540,7 +528,6 @@ def moe_gemm1(
     bias: torch.Tensor | None = None,
     preact: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
-    round_act: torch.dtype | None = None,
 ) -> torch.Tensor:
     """GEMM1 with the gated activation fused; writes ``out`` rows of the slots in valid blocks.
 
@@ -558,12 +545,8 @@ def moe_gemm1(
             saves them for the backward). Unquantized calls only.
         out_scale: float32 [M*top_k, ceil(I / gk)] (``gk = numerics.block_shape[1]``); when given (fp8_block
             only, tiles of at least 16 rows with BLOCK_N a multiple of gk), ``out`` is float8_e4m3fn and receives
-            the activation quantized, one scale per slot and gk columns written here: GEMM2's fp8_block input,
-            with no separate quantization pass.
-        round_act: bf16 or fp16: the gate and up accumulators, SiLU's output and the activation are rounded to it
-            where a layer computing in that dtype rounds them (GEMM1's output, then SiLU-and-mul as two ops), as
-            vLLM's and DeepSeek's fp8 layers do before quantizing the activation; None (or float32): the
-            activation is computed from the float32 accumulators and rounded once, to ``out``'s dtype.
+            the activation quantized from its float32 value, one scale per slot and gk columns written here: GEMM2's
+            fp8_block input, with no separate quantization pass.
     """
     _check(a, w1, sorted_ids, block_expert, config, numerics)
     if preact is not None and (
@@ -599,7 +582,6 @@ def moe_gemm1(
         a_sorted=False,
         preact=preact,
         out_scale=out_scale,
-        round_act=round_act,
     )
 
 
