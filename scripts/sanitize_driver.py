@@ -127,9 +127,8 @@ def reference(t: dict, kw: dict) -> torch.Tensor:
     if q is not None and q.kernel_mode == "mxfp4_mma":  # the same weights in the checkpoint layout
         w1, s1 = from_mma_layout(t["w1"], kw["w1_scale"], H, gated=True)
         w2, s2 = from_mma_layout(t["w2"], kw["w2_scale"], I, gated=False)
-        return fused_moe_reference(
-            t["hidden_states"], w1, w2, t["topk_weights"], t["topk_ids"], quant="mxfp4", w1_scale=s1, w2_scale=s2
-        )
+        checkpoint = {**kw, "quant": "mxfp4", "w1_scale": s1, "w2_scale": s2}  # (expert_map and the rest as given)
+        return fused_moe_reference(t["hidden_states"], w1, w2, t["topk_weights"], t["topk_ids"], **checkpoint)
     if q is None or not q.fp8 or (BLOCK_M[0] or 16) >= 16:
         return fused_moe_reference(*t.values(), **kw)
     w1, w2 = (dequantize_weight(t[w], kw[f"{w}_scale"], q) for w in ("w1", "w2"))

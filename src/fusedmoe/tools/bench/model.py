@@ -222,6 +222,11 @@ def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, pr
                     pre.append(_timed(prefill_only, device)[0])
                     ms, out = _timed(whole, device)
                     full.append(ms)
+        except torch.OutOfMemoryError as exc:  # (batched_mm gathers a weight copy per slot) the cell, not the run
+            rows.append(_failed_row(impl, mode, batch, f"out of memory: {str(exc).splitlines()[0][:120]}"))
+            progress(f"[{n}/{len(cells)}] {impl} {mode} batch {batch}: {rows[-1]['error']}")
+            torch.cuda.empty_cache()
+            continue
         finally:
             undo()
         tokens = out[:, prompt:]
@@ -246,12 +251,21 @@ def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, pr
             (
                 r["decode_ms"]
                 for r in rows
-                if not r["impl"].startswith("fusedmoe") and r["mode"] == row["mode"] and r["batch"] == row["batch"]
+                if not r["impl"].startswith("fusedmoe")
+                and r["mode"] == row["mode"]
+                and r["batch"] == row["batch"]
+                and r["decode_ms"] is not None
             ),
             default=None,
         )
-        row["vs_best_transformers"] = row["decode_ms"] / best if best else None
+        row["vs_best_transformers"] = row["decode_ms"] / best if best and row["decode_ms"] is not None else None
     return rows
+
+
+def _failed_row(impl: str, mode: str, batch: int, error: str) -> dict:
+    """The row of a cell that could not run (its times None, the reason under ``error``)."""
+    return {"impl": impl, "mode": mode, "batch": batch, "prefill_ms": None, "decode_ms": None, "agreement": None,
+            "error": error}  # fmt: skip
 
 
 def table_rows(rows: list[dict]) -> list[list[object]]:
@@ -263,7 +277,7 @@ def table_rows(rows: list[dict]) -> list[list[object]]:
             r["prefill_ms"],
             r["decode_ms"],
             r["vs_best_transformers"],
-            f"{100 * r['agreement']:.0f}%",
+            f"{100 * r['agreement']:.0f}%" if r["agreement"] is not None else r.get("error", "-"),
         ]
         for r in rows
     ]
@@ -281,7 +295,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     width = 0.8 / len(impls)
     for j, impl in enumerate(impls):
         ys = [
-            next((r["decode_ms"] for r in rows if r["impl"] == impl and (r["mode"], r["batch"]) == c), 0) for c in cells
+            next((r["decode_ms"] or 0 for r in rows if r["impl"] == impl and (r["mode"], r["batch"]) == c), 0)
+            for c in cells
         ]
         ax.bar([i + j * width for i in range(len(cells))], ys, width, label=impl)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"{m}\nbatch {b}" for m, b in cells])
