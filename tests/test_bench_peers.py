@@ -448,13 +448,18 @@ def test_vllm_fp8_on_a_preset_shape_matches_ours_and_graphs(mode):
         w, ids = route(logits, k)
         ours = fused_moe(x, w1q, w2q, w, ids, quant=quant, w1_scale=s1, w2_scale=s2)
         assert peers.check_close(out, ours) < tolerance(torch.bfloat16, quantized=True), (mode, M)
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            replayed = call(logits)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, out), (mode, M)
+        assert torch.equal(_replayed_in_a_graph(call, logits), out), (mode, M)
+
+
+def _replayed_in_a_graph(call, logits):
+    """``call(logits)`` captured in a CUDA graph and replayed once: the output of the replay."""
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        replayed = call(logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    return replayed
 
 
 # ---- scaled_grouped_mm ---------------------------------------------------------------------------------------------
@@ -641,10 +646,4 @@ def test_scaled_grouped_mm_on_the_gpu_matches_ours_and_graphs(align):
             assert out.dtype == torch.bfloat16 and out.shape == (M, H)
             assert peers.check_close(out, ours) < tolerance(torch.bfloat16, quantized=True), (E, M)
             assert peers.check_close(out, ref) < tolerance(torch.bfloat16, quantized=True), (E, M)
-            graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
-                replayed = call(logits)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, out), (E, M)
+            assert torch.equal(_replayed_in_a_graph(call, logits), out), (E, M)
