@@ -79,3 +79,19 @@ def test_train_demo_loss_decreases():
 
 def test_demo_train_cli():
     assert cli.main(["demo", "--train", "--steps", "3", "--seq", "16"]) == 0
+
+
+@pytest.mark.slow
+def test_bench_train_ep_reports_the_exchange_beside_one_process(tmp_path):
+    """`bench train --ep 2`: a one-process row on all rows, then the world-2 row on half of them per rank, whose
+    step time holds the time inside the exchange (a gloo all-to-all takes some time; compute is the rest)."""
+    path = tmp_path / "ep.json"
+    argv = ["bench", "train", "--ep", "2", "--shapes", "mixtral-8x7b", "--tokens", "6", "--repeats", "2"]
+    assert cli.main([*argv, "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["ep"]
+    assert [(r["world"], r["tokens"]) for r in rows] == [(1, 12), (2, 6)]
+    single, ep = rows
+    assert single["exchange_ms"] == 0 and _finite(single["ms"]) and single["ms"] > 0
+    assert 0 < ep["exchange_ms"] < ep["ms"] and ep["single_ms"] == single["ms"]
+    with pytest.raises(SystemExit, match="world sizes must be >= 2"):
+        cli.main(["bench", "train", "--ep", "1"])

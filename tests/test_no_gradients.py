@@ -113,3 +113,32 @@ def test_patched_gpt_oss_layer_refuses_training_its_inference_copy():
     block.experts.requires_grad_(False)  # frozen experts: the copy serves, the router still trains
     block.moe(x).sum().backward()
     assert block.router.weight.grad is not None
+
+
+class TwoRanks:
+    """Rank 0 of a stub transport of two ranks whose every collective fails the test."""
+
+    rank, world_size = 0, 2
+
+    def exchange_counts(self, *args):
+        raise AssertionError("the refusal must come before any collective")
+
+    all_to_all = max_int = exchange_counts
+
+
+def test_quantized_expert_parallel_layer_refuses_gradients():
+    """An expert-parallel layer trains (tests/test_ep_training_gloo.py) unless its experts are quantized: then
+    autograd gets a typed refusal before any token is exchanged."""
+    layer = FusedMoE(4, 2, 16, 8, ep_group=TwoRanks(), quant="fp8_tensor", backend="torch")
+    x = torch.randn(3, 16, requires_grad=True)
+    with pytest.raises(GradientNotSupportedError, match=rf"FusedMoE: hidden_states require.*quantized.*{REMEDY}"):
+        layer(x)
+
+
+def test_compiled_expert_parallel_layer_refuses_gradients(monkeypatch):
+    """Under torch.compile an expert-parallel layer that autograd needs refuses (its exchange sizes are host
+    values), before any collective; the compiler's view is stood in for by is_compiling."""
+    layer = FusedMoE(4, 2, 16, 8, ep_group=TwoRanks(), backend="torch").requires_grad_(True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(GradientNotSupportedError, match=rf"under torch.compile: .*train only eagerly.*{REMEDY}"):
+        layer(torch.randn(3, 16))

@@ -391,31 +391,55 @@ class FusedMoE(nn.Module):
         :func:`fusedmoe.fused_moe` (its backward: :mod:`fusedmoe.training`), the shared experts as modules.
 
         Gradients reach the inputs, ``w1``, ``w2``, the biases, ``gate`` / ``gate_bias`` (through the routing
-        weights) and the shared experts. Expert-parallel layers do not train (GradientNotSupportedError); a
-        batched-layout layer trains through the standard layout (the same function)."""
-        if self._parallel is not None and self._parallel.world > 1:
-            forbid_gradients(
-                "FusedMoE",
-                "expert-parallel layers have no backward (train with ep_group=None)",
-                hidden_states=hidden_states,
-                router_logits=router_logits,
-                **dict(self.named_parameters()),
-            )
+        weights) and the shared experts. An expert-parallel layer exchanges the tokens in a differentiable
+        all-to-all (:func:`~fusedmoe.training.expert_parallel.expert_parallel_moe`: every rank runs the forward
+        and the backward); a batched-layout layer trains through the standard layout."""
         x = hidden_states.reshape(-1, self.hidden_size)
-        from .api import fused_moe
+        if self._parallel is not None and self._parallel.world > 1:
+            out = self._expert_parallel_train(x, router_logits)
+        else:
+            from .api import fused_moe
 
-        emap = self._buffers.get("expert_map")
-        out = self._routed_experts(
-            fused_moe,
-            x,
-            router_logits,
-            expert_map=emap,
-            global_num_experts=self.num_experts if emap is not None else None,
-            recompute=self.recompute,
-        )
+            emap = self._buffers.get("expert_map")
+            out = self._routed_experts(
+                fused_moe,
+                x,
+                router_logits,
+                expert_map=emap,
+                global_num_experts=self.num_experts if emap is not None else None,
+                recompute=self.recompute,
+            )
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(hidden_states.shape)
+
+    def _expert_parallel_train(self, x: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts of ``x`` [M, H] over the expert-parallel ranks, with autograd."""
+        from .training.expert_parallel import expert_parallel_moe
+
+        if self.quant is not None:
+            forbid_gradients(
+                "FusedMoE",
+                "quantized experts have no backward",
+                hidden_states=x,
+                router_logits=router_logits,
+                **dict(self.named_parameters()),
+            )
+        topk_weights, topk_ids = self.route(x, router_logits)
+        return expert_parallel_moe(
+            x,
+            self.w1,
+            self.w2,
+            topk_weights,
+            topk_ids,
+            self._parallel.transport,
+            self.num_experts,
+            activation=self.activation,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
+            workspace=self.workspace,
+            backend=self.backend,
+            recompute=self.recompute,
+        )
 
     def _forward_checked(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(hidden_states, torch.Tensor):
@@ -451,7 +475,7 @@ class FusedMoE(nn.Module):
             if self._parallel is not None:  # compiled local layers train through the differentiable op below
                 forbid_gradients(
                     "FusedMoE under torch.compile",
-                    "expert-parallel and batched-layout layers train only eagerly",
+                    "expert-parallel and batched-layout layers train only eagerly (the exchange sizes are host values)",
                     hidden_states=hidden_states,
                     router_logits=router_logits,
                     **dict(self.named_parameters()),

@@ -1,0 +1,166 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) over fusedmoe's experts, world 2 over gloo on the CPU.
+
+- A tiny transformers MoE model whose experts run through fusedmoe (the experts interface and ``patch_model``),
+  every decoder layer and the root sharded: one training step gives, on each rank, the loss of an unsharded model
+  on transformers' own experts for that rank's batch, and the full (gathered) gradients of the average of the
+  ranks' losses, with activation checkpointing and with each layer compiled too.
+- FSDP2 for the dense parts and expert parallelism for the experts in one model: ``fully_shard(...,
+  ignored_params=<the experts>)`` with ``FusedMoE(..., ep_group=...)``, against the same model in one process.
+
+The GPU variant (world 1, NCCL, bf16) is in tests/test_gpu_fsdp.py."""
+
+import copy
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("transformers")
+WORLD = 2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def _hf_worker(rank, world, init_file, cases, queue):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        sys.path.insert(0, os.path.dirname(__file__))
+        from hf_tiny import prompt, tiny_model, use_fusedmoe
+        from torch.distributed.fsdp import fully_shard
+
+        results = []
+        for mode, extra in cases:
+            ref = tiny_model("qwen3_moe").train()
+            model = copy.deepcopy(ref)
+            handle = use_fusedmoe(model, mode)
+            if "checkpointing" in extra:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for layer in model.model.layers:
+                fully_shard(layer)
+                if "compile" in extra:
+                    layer.compile()
+            fully_shard(model)
+            batches = [prompt(batch=2, length=12, seed=r) for r in range(world)]
+            calls = handle.stats.calls if mode == "interface" else None
+            loss = model(input_ids=batches[rank], labels=batches[rank]).loss
+            loss.backward()
+            ran = calls is None or handle.stats.calls > calls
+            ref_losses = [ref(input_ids=b, labels=b).loss for b in batches]
+            (sum(ref_losses) / world).backward()  # FSDP averages the ranks' gradients
+            errs = {"loss": abs(float(loss.detach()) - float(ref_losses[rank].detach()))}
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                errs[name] = _rel(_full(p.grad), q.grad)
+            results.append(((mode, extra), ran, errs))
+        queue.put((rank, results))
+    except Exception as exc:  # pragma: no cover - reported by the parent
+        queue.put((rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(worker, *args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(worker, args=(WORLD, os.path.join(d, "init"), *args, queue), nprocs=WORLD, join=True)
+    out = dict(queue.get(timeout=60) for _ in range(WORLD))
+    for rank, res in out.items():
+        assert not isinstance(res, str), f"rank {rank} failed: {res}"
+    return out
+
+
+def _check_hf(out):
+    for rank, res in out.items():
+        for tag, ran, errs in res:
+            assert ran, f"rank {rank} {tag}: fusedmoe did not compute the experts"
+            worst = max(errs.items(), key=lambda kv: kv[1])
+            assert worst[1] < 1e-4, f"rank {rank} {tag}: {worst[0]} differs from the unsharded model by {worst[1]}"
+
+
+@pytest.mark.slow
+def test_fsdp2_transformers_model():
+    _check_hf(_spawn(_hf_worker, [("interface", ()), ("patch", ()), ("interface", ("checkpointing",))]))
+
+
+@pytest.mark.slow
+def test_fsdp2_transformers_model_compiled():
+    _check_hf(_spawn(_hf_worker, [("interface", ("compile",)), ("patch", ("compile", "checkpointing"))]))
+
+
+E, K, H, I = 8, 2, 32, 32
+
+
+class _Block(torch.nn.Module):
+    """A dense projection, then an MoE layer, then a dense head: the dense parts go to FSDP, the experts to EP."""
+
+    def __init__(self, ep_group=None):
+        from fusedmoe.layer import FusedMoE
+
+        super().__init__()
+        self.up = torch.nn.Linear(H, H)
+        self.moe = FusedMoE(E, K, H, I, ep_group=ep_group, backend="torch")
+        self.head = torch.nn.Linear(H, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x)) + self.moe(x))
+
+    def experts(self):
+        return [self.moe.w1, self.moe.w2]
+
+
+def _ep_worker(rank, world, init_file, queue):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        ref = _Block()
+        ref.moe.requires_grad_(True)
+        model = _Block(ep_group=dist.group.WORLD)
+        model.load_state_dict({n: t for n, t in ref.state_dict().items() if not n.startswith("moe.")}, strict=False)
+        model.moe.load_weights(ref.moe.w1.data, ref.moe.w2.data, ref.moe.gate.data)
+        model.moe.requires_grad_(True)
+        fully_shard(model, ignored_params=set(model.experts()))
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(m, H, generator=g) for m in (6, 3)]
+        ys = [torch.randn(m, 4, generator=g) for m in (6, 3)]
+        loss = torch.nn.functional.mse_loss(model(xs[rank]), ys[rank])
+        loss.backward()
+        for p in model.experts():  # EP sums the ranks' losses into the experts; FSDP averages: match it
+            p.grad /= world
+        ref_losses = [torch.nn.functional.mse_loss(ref(x), y) for x, y in zip(xs, ys)]
+        (sum(ref_losses) / world).backward()
+        El = E // world
+        mine = slice(rank * El, (rank + 1) * El)
+        errs = {"loss": abs(float(loss.detach()) - float(ref_losses[rank].detach()))}
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            want = q.grad[mine] if name in ("moe.w1", "moe.w2") else q.grad
+            errs[name] = _rel(_full(p.grad), want)
+        sharded = [n for n, p in model.named_parameters() if hasattr(p, "full_tensor")]
+        queue.put((rank, (errs, sharded)))
+    except Exception as exc:  # pragma: no cover - reported by the parent
+        queue.put((rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_dense_with_expert_parallel_experts():
+    for rank, (errs, sharded) in _spawn(_ep_worker).items():
+        assert "moe.w1" not in sharded and "moe.w2" not in sharded, f"rank {rank}: FSDP sharded the EP experts"
+        assert "up.weight" in sharded and "moe.gate" in sharded, f"rank {rank}: dense parameters not sharded"
+        worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-5, f"rank {rank}: {worst[0]} differs from the one-process model by {worst[1]}"
