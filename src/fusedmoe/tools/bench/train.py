@@ -19,7 +19,8 @@ Per row: ms per forward + backward (median of CUDA-event-timed repeats after war
 several systems synchronize with the host inside a step), % of peak (floor / time), peak memory above what was
 allocated before the step (torch.cuda.max_memory_allocated after a reset: intermediates plus the gradients
 themselves, ``grads MB``; for fusedmoe plus its workspace arena, which the shared manager holds across calls:
-``arena MB`` is the arena reserved, ``plan MB`` the largest plan it served), and the relative error of each
+``arena MB`` is the arena reserved, ``plan MB`` the largest plan it served; ``w/o arena`` is the peak without
+it, what the step allocates beyond the arena), and the relative error of each
 gradient against grouped_mm's and eager's (``||a - b|| / ||b||``).
 
 Without a GPU (or with ``--tiny``) every shape keeps its E and k with H=64, I=32 (transformers' tiny model
@@ -62,6 +63,7 @@ COLUMNS = [
     "ms fwd+bwd",
     "% of peak",
     "peak MB",
+    "w/o arena",
     "grads MB",
     "arena MB",
     "max grad err (vs)",
@@ -273,6 +275,7 @@ def measure(
         "pct_of_peak": None,
         "floor_ms": floor_ms,
         "peak_mb": None,
+        "peak_mb_without_arena": None,
         "grads_mb": None,
         "arena_mb": None,
         "plan_mb": None,
@@ -302,12 +305,14 @@ def measure(
             row["ms"] = time_ms(step, device, repeats)
             reserved = manager.stats.reserved_bytes if manager is not None else 0
             row["peak_mb"], row["grads_mb"] = peak_mb(step, device)
+            row["peak_mb_without_arena"] = row["peak_mb"]
             if manager is not None:
                 grown = manager.stats.reserved_bytes - reserved
                 row["arena_mb"] = manager.stats.reserved_bytes / MB
                 row["plan_mb"] = manager.stats.peak_bytes / MB
-                if row["peak_mb"] is not None:
-                    row["peak_mb"] += reserved / MB  # held by the manager before the step, used by it
+                if row["peak_mb"] is not None:  # the arena, held before the step, is the step's scratch
+                    row["peak_mb_without_arena"] = row["peak_mb"]
+                    row["peak_mb"] += reserved / MB
                 if grown:
                     row["note"] = f"arena grew by {grown} B during the measured step"
     except Exception as err:  # one system failing (out of memory, unsupported) leaves the others' rows
@@ -426,6 +431,7 @@ def table_rows(rows: list[dict]) -> list[list[object]]:
             r["ms"],
             None if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.0f}%",
             r.get("peak_mb"),
+            r.get("peak_mb_without_arena"),
             r.get("grads_mb"),
             r.get("arena_mb"),
             _max_err(r),
