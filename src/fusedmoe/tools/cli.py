@@ -48,6 +48,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench import model
 
         return model.main(args)
+    if args.mode == "train" and args.ep:
+        from .bench import ep_train
+
+        return ep_train.main(args)
     if args.mode == "train":
         from .bench import train
 
@@ -148,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel: also run the other libraries' kernels that import here (vLLM, triton_kernels, grouped_mm), "
         "same process and run, each labelled with its version",
     )
-    bench.add_argument("--layers", type=int, help="layers of the stack (decode; CPU strategy table)")
+    bench.add_argument("--layers", type=int, help="layers (decode, model; CPU strategy table)")
     bench.add_argument("--steps", type=int, help="timed steps (decode; CPU strategy table)")
     bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")
     bench.add_argument("--eager", action="store_true", help="GPU: also time eager (host cost) per call")
@@ -162,11 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--tiny", action="store_true", help="model: a 2-layer, small-dimension model (CPU checks)")
     bench.add_argument("--impls", default=None, help="model: comma-separated experts implementations")
-    bench.add_argument("--modes", default=None, help="model: eager,compiled (default both)")
+    bench.add_argument("--modes", default=None, help="model: eager and/or compiled, comma-separated (default eager)")
     bench.add_argument("--batches", default=None, help="model: comma-separated batch sizes (default 1,8)")
     bench.add_argument("--prompt", type=int, default=128, help="model: prompt tokens (prefill)")
     bench.add_argument("--new", type=int, default=32, help="model: generated tokens")
-    bench.add_argument("--repeats", type=int, default=None, help="model: timed repeats per cell")
+    bench.add_argument("--repeats", type=int, default=None, help="model: interleaved timed repeats (default 5)")
+    bench.add_argument("--isolate", action="store_true", help="model: each mode in a process of its own, rows merged")
     bench.add_argument("--json", default=None, help="write every figure to this JSON file")
     bench.add_argument("--plot", default=None, help="write a PNG plot (time vs tokens) to this path")
 
@@ -176,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="local checkpoint path (default: random small Qwen3-MoE)")
     demo.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     demo.add_argument("--prompt", type=int, default=16, help="prompt length (random token ids)")
-    demo.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    demo.add_argument("--batch", type=int, default=None, help="sequences per batch (default 1; with --train 32)")
     _add_train_arguments(bench, demo)
     return parser
 

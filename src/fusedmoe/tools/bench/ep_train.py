@@ -16,6 +16,7 @@ separate device. The NCCL path is the same code on GPUs.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import tempfile
@@ -24,7 +25,7 @@ import time
 import torch
 
 from ...transport import TorchDistributedTransport
-from .train import shape_of
+from . import report, train
 
 COLUMNS = ["shape", "world", "tokens/rank", "ms/step", "exchange ms", "compute ms", "vs 1 process"]
 
@@ -117,7 +118,7 @@ def run(worlds: list[int], shapes: list[str], tokens: int, repeats: int) -> list
     rows = []
     ctx = mp.get_context("spawn")
     for name in shapes:
-        shape = shape_of(name, tiny=True)
+        shape = train.shape_of(name, tiny=True)
         for world in worlds:
             if shape.num_experts % world:
                 raise SystemExit(f"--ep {world}: {name} has {shape.num_experts} experts, not a multiple of {world}")
@@ -142,3 +143,28 @@ def table_rows(rows: list[dict]) -> list[list[object]]:
         compute = r["ms"] - r["exchange_ms"]
         out.append([r["shape"], r["world"], r["tokens"], r["ms"], r["exchange_ms"], compute, ratio])
     return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """``bench train --ep W,...``: the table of :func:`run` (and its JSON with --json)."""
+    try:
+        worlds = [int(w) for w in args.ep.split(",") if w.strip()]
+    except ValueError:
+        raise SystemExit(f"--ep must be comma-separated world sizes, got {args.ep!r}") from None
+    if not worlds or any(w < 2 for w in worlds):
+        raise SystemExit(f"--ep world sizes must be >= 2, got {args.ep!r}")
+    from ..presets import PRESETS
+
+    shapes = train._list(getattr(args, "shapes", None), train.SHAPES, PRESETS)
+    tokens = (args.tokens or [64])[0]
+    repeats = args.repeats or 10
+    env = report.environment()
+    print(f"CPU, gloo | torch {env['torch']} | commit {env.get('commit')} | one thread per process")
+    rows = run(worlds, shapes, tokens, repeats)
+    sizes = f"H={train.TINY_H}, I={train.TINY_I}"
+    title = f"expert-parallel training step (forward + backward, float32, torch experts, {sizes}; median of {repeats})"
+    report.print_table(title, COLUMNS, table_rows(rows))
+    if args.json:
+        report.save_json(args.json, {"env": env, "tokens_per_rank": tokens, "repeats": repeats, "ep": rows})
+        print(f"wrote {args.json}")
+    return 0

@@ -1,30 +1,58 @@
 """``fusedmoe bench model``: a transformers MoE model, generated with every experts implementation in one run.
 
-The model is built at its full published size from its config (random weights, bf16 on the GPU), then for each
-experts implementation (transformers' own that are present, ``fusedmoe`` through the experts interface, and
-``fusedmoe-patch`` = :func:`fusedmoe.integrations.hf.patch_model`; on request ``fusedmoe-<mode>``, the experts
-quantized by :func:`fusedmoe.integrations.hf_quant.quantize_experts`, e.g. ``fusedmoe-fp8_block``,
-``fusedmoe-mxfp4``) and each batch size it generates
-``--prompt`` tokens of prefill plus ``--new`` decode tokens, greedily:
+The model is built from its published config (random weights; bf16 on the GPU, at full size unless ``--layers``
+bounds its depth; ``--tiny`` shrinks it to 2 layers of small dimensions to exercise the bench on a CPU). For each
+mode and batch size, each experts implementation generates ``--prompt`` tokens of prefill plus ``--new`` decode
+tokens, greedily. The implementations: transformers' own that are present (``grouped_mm``, ``batched_mm``),
+``fusedmoe`` through the experts interface, ``fusedmoe-patch`` (:func:`fusedmoe.integrations.hf.patch_model`)
+and, on request, ``fusedmoe-<mode>``: the experts quantized by :func:`fusedmoe.integrations.hf_quant.quantize_experts`
+(e.g. ``fusedmoe-fp8_block``, ``fusedmoe-mxfp4``). The modes:
 
-- ``eager``: ``generate`` with the dynamic cache, no compilation (what most users run first);
-- ``compiled``: ``generate`` with ``cache_implementation="static"``, which makes transformers compile the
-  decoding forward (``torch.compile``); the first, compiling run is not timed.
+- ``eager`` (the default): ``generate`` with the dynamic cache, no compilation (what most users run first);
+- ``compiled``: ``generate`` with ``cache_implementation="static"``, for which transformers compiles the decoding
+  forward (``torch.compile``, mode ``reduce-overhead``: CUDA graphs). transformers compiles on accelerators only;
+  on a CPU this mode runs the static cache uncompiled.
 
-Per cell: prefill ms (a ``max_new_tokens=1`` run), decode ms/token (``(full - prefill) / (new - 1)``), the
-median of ``--repeats`` runs, and token agreement with the first implementation (random weights make
-near-ties common, so agreement below 100% after a few tokens is expected and reported, not hidden).
-``--tiny`` shrinks the model (2 layers, small dims) to exercise the bench on a CPU.
+Whole-model times move by tens of percent between runs, so the implementations are compared within one run and
+interleaved: for each (mode, batch), each implementation is warmed up once (in compiled mode this compiles it), then
+every repeat switches to each in turn (A B C D, A B C D, ...) and runs one untimed ``generate`` after the switch
+(whatever a switch leaves to redo, such as re-recording a CUDA graph, is not timed), then a timed prefill-only run
+(``max_new_tokens=1``) and the timed whole ``generate``. Per repeat: prefill ms, and decode ms/token =
+``(whole - prefill) / (new - 1)``. Per cell: the median, min and max over the repeats, ``vs best transformers``
+(this median over the fastest transformers implementation's median) and token agreement with the first
+implementation (random weights make near-ties common, so agreement below 100% after a few tokens is expected and
+reported, not hidden). Each row also gives its warm-up's seconds (in compiled mode, mostly compilation), counts
+the graphs torch compiled after the warm-up (0 unless a switch recompiles) and while timed, and, in compiled mode,
+says whether CUDA graphs covered the decode step (``cudagraphs``).
+
+One compiled forward keeps each implementation's graphs: transformers reads the experts implementation from the
+config at call time and dynamo guards on it (the recompile limit is raised to hold every implementation's graphs),
+and ``fusedmoe-patch`` gets the same patched layers back at each switch (a new ``patch_model`` builds new layers,
+whose names dynamo's guards check, and would recompile at every switch). ``--isolate`` runs each mode in a process
+of its own and merges the rows, so that one mode's compiled state or memory cannot affect the other.
+
+Cost: per (mode, batch) and implementation, 1 + ``repeats`` untimed generates (``new`` tokens in compiled mode, 2 in
+eager) and ``repeats`` x (prefill + whole) timed ones, plus, in compiled mode, the compilation of each
+implementation at each batch shape. How long these take at full size on a GPU is not established here: the
+defaults (eager, batches 1 and 8, 5 repeats) keep compilation out of a default run; measure compiled mode in a
+run of its own (``--modes compiled``) or with ``--isolate``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from . import report
+from . import compile_watch, report
 
 #: Published configs of the presets (Hugging Face config.json of each model), as transformers kwargs.
 MODELS: dict[str, tuple[str, dict]] = {
@@ -110,6 +138,9 @@ MODELS: dict[str, tuple[str, dict]] = {
             head_dim=64,
             num_local_experts=32,
             num_experts_per_tok=4,
+            sliding_window=128,
+            # layer_types: GptOssConfig's default, sliding and full attention alternating from the first layer as
+            # published, derived from num_hidden_layers (so that --layers keeps it consistent)
         ),
     ),
 }
@@ -129,12 +160,30 @@ TINY = dict(
     v_head_dim=16,
 )
 
+TRANSFORMERS_IMPLS = ("grouped_mm", "batched_mm")
 FUSED = ("fusedmoe", "fusedmoe-patch")
-COLUMNS = ["impl", "mode", "batch", "prefill ms", "decode ms/token", "vs best transformers", "token agreement"]
+MODES = ("eager", "compiled")
+DEFAULT_MODES = ("eager",)
+DEFAULT_BATCHES = (1, 8)
+DEFAULT_REPEATS = 5
+COLUMNS = [
+    "impl",
+    "mode",
+    "batch",
+    "prefill ms (median)",
+    "prefill min-max",
+    "decode ms/token (median)",
+    "decode min-max",
+    "vs best transformers",
+    "token agreement",
+    "CUDA graphs",
+]
+#: Longest cudagraphs verdict in the table (the notes under it and the JSON hold the whole text).
+_TABLE_VERDICT_CHARS = 48
 
 
 def build(preset: str, *, tiny: bool = False, layers: int | None = None, device=None, dtype=torch.bfloat16):
-    """A randomly initialised transformers model of ``preset`` (its published config)."""
+    """A randomly initialised transformers model of ``preset`` (its published config), in eval mode."""
     import transformers
 
     cls_name, kwargs = MODELS[preset]
@@ -158,18 +207,18 @@ def available_impls() -> list[str]:
     then fusedmoe's two ways in."""
     from transformers.integrations.moe import ExpertsInterface
 
-    theirs = [n for n in ("grouped_mm", "batched_mm") if n in ExpertsInterface._global_mapping]
+    theirs = [n for n in TRANSFORMERS_IMPLS if n in ExpertsInterface._global_mapping]
     return theirs + list(FUSED)
 
 
-def _use(model, impl: str):
-    """Switch ``model`` to ``impl``; returns the function that undoes it."""
+def _use(model, impl: str, kept: dict):
+    """Switch ``model`` to ``impl``; returns the function that switches it back.
+
+    ``kept`` holds what a run keeps from one switch to the next (``fusedmoe-patch``'s patches)."""
     from ...integrations import hf
 
     if impl == "fusedmoe-patch":
-        model.set_experts_implementation("grouped_mm")
-        hf.patch_model(model)
-        return lambda: hf.unpatch_model(model)
+        return _use_patch(model, kept)
     if impl.startswith("fusedmoe-"):  # fusedmoe-<quant mode>: the experts quantized (quantize_experts)
         from ...integrations.hf_quant import dequantize_experts, quantize_experts
 
@@ -181,71 +230,180 @@ def _use(model, impl: str):
     return lambda: None
 
 
+def _use_patch(model, kept: dict):
+    """``patch_model`` the first time; at later switches the same patches (layers, workspace) go back on the same
+    blocks. A new ``patch_model`` would build new FusedMoE layers, whose owner keys dynamo's guards compare, and so
+    recompile a compiled forward at every switch. Returns the function that takes the patches off (and keeps them)."""
+    from ...integrations import hf
+
+    patches = kept.get("fusedmoe-patch")
+    if patches is None:
+        model.set_experts_implementation("grouped_mm")
+        hf.patch_model(model)
+    else:
+        for block, patch in patches:
+            block.__dict__["_fusedmoe"] = patch
+            block.__class__ = hf._patched_class(patch.original_class)
+        model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+
+    def undo():
+        kept["fusedmoe-patch"] = [(block, block.__dict__["_fusedmoe"]) for block in hf.patched_blocks(model)]
+        hf.unpatch_model(model)
+
+    return undo
+
+
 def _generate(model, ids, mask, new: int, compiled: bool):
+    """Greedy ``generate`` of exactly ``new`` tokens (compiled: with the static cache, which transformers compiles)."""
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     if compiled:
         kw["cache_implementation"] = "static"
     return model.generate(ids, attention_mask=mask, **kw)
 
 
-def _timed(fn, device) -> tuple[float, object]:
+def _timed(fn, device, clock) -> tuple[float, object]:
+    """Milliseconds ``fn()`` takes on ``clock`` (seconds), the device synchronized before and after, and its result."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = clock()
     out = fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3, out
+    return (clock() - t0) * 1e3, out
 
 
-def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, progress=print) -> list[dict]:
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
+@dataclass
+class _Samples:
+    """One implementation's timed repeats in one (mode, batch), its last tokens, or why it stopped."""
+
+    warm_up_s: float | None = None
+    prefill_ms: list[float] = field(default_factory=list)
+    decode_ms: list[float] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    error: str | None = None
+
+
+def run(
+    model, impls, batches, modes, *, prompt: int, new: int, repeats: int, progress=print, clock=time.perf_counter
+) -> list[dict]:
+    """One row per (mode, batch, impl) cell, in that order (see the module's docstring for the method).
+
+    Within each (mode, batch) the implementations are switched in (:func:`_use`) in this order: each once for its
+    warm-up, then each once per repeat. ``clock`` (seconds) times the runs. A cell whose implementation runs out of
+    GPU memory gets a row with the reason under ``error`` and no figures, and the others go on."""
+    kept: dict = {}
     rows = []
-    reference: dict[tuple, torch.Tensor] = {}
-    cells = [(m, b, i) for m in modes for b in batches for i in impls]
-    for n, (mode, batch, impl) in enumerate(cells, 1):
-        g = torch.Generator().manual_seed(batch)
-        ids = torch.randint(1, vocab, (batch, prompt), generator=g).to(device)
-        mask = torch.ones_like(ids)
-        undo = _use(model, impl)
+    # per implementation and batch size: a graph, and a dynamic-shape one where dynamo makes one
+    room = 2 * len(impls) * len(batches) if "compiled" in modes else 0
+    with compile_watch.room_for_compiled_graphs(room):
+        for mode in modes:
+            for batch in batches:
+                rows += _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, clock)
+    _add_vs_best_transformers(rows)
+    return rows
+
+
+def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, clock) -> list[dict]:
+    """The rows of one (mode, batch): every implementation warmed up, then ``repeats`` interleaved repeats."""
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    compiled = mode == "compiled"
+    untimed_new = new if compiled else 2  # compiled: every decode step, so CUDA graphs are recorded and replayed
+    samples = {impl: _Samples() for impl in impls}
+    where = f"{mode} batch {batch}"
+
+    def untimed(impl, watch, phase):
+        with watch.during(impl, phase, decode_steps=untimed_new - 1):
+            _generate(model, ids, mask, untimed_new, compiled)
+
+    def warm_up(impl, watch):
+        start = clock()
+        untimed(impl, watch, "warm-up")
+        samples[impl].warm_up_s = clock() - start
+        progress(f"{where}: {impl} warmed up in {samples[impl].warm_up_s:.1f} s")
+
+    def timed(impl, watch):
+        # the untimed run takes what a switch leaves to redo; in compiled mode, transformers also makes a new
+        # StaticCache at each generate, and where its tensors land at new addresses cudagraph trees re-record
+        # (counted while timed: cudagraphs_recorded_while_timed)
+        untimed(impl, watch, "untimed")
+        with watch.during(impl, "timed"):
+            prefill, _ = _timed(lambda: _generate(model, ids, mask, 1, compiled), device, clock)
+            whole, out = _timed(lambda: _generate(model, ids, mask, new, compiled), device, clock)
+        samples[impl].prefill_ms.append(prefill)
+        samples[impl].decode_ms.append((whole - prefill) / max(1, new - 1))
+        samples[impl].tokens = out[:, prompt:]
+
+    with compile_watch.CompileWatch(compiled=compiled, on_cuda=device.type == "cuda") as watch:
+        for impl in impls:
+            _switched(model, impl, kept, samples[impl], lambda i=impl: warm_up(i, watch), where, progress)
+        for r in range(repeats):
+            for impl in [i for i in impls if samples[i].error is None]:
+                _switched(model, impl, kept, samples[impl], lambda i=impl: timed(i, watch), where, progress)
+            done = [f"{i} {s.decode_ms[-1]:.2f}" for i, s in samples.items() if s.error is None and s.decode_ms]
+            progress(f"{where} repeat {r + 1}/{repeats}: decode ms/token {', '.join(done)}")
+    reference = next((s.tokens for s in samples.values() if s.tokens is not None), None)
+    return [
+        _row(impl, mode, batch, samples[impl], reference, watch.tallies.get(impl, compile_watch.Tally()), device)
+        for impl in impls
+    ]
+
+
+def _switched(model, impl, kept, samples: _Samples, body, where: str, progress) -> None:
+    """``body()`` with ``model`` switched to ``impl`` and back; if the GPU runs out of memory (the switch or the
+    body), ``samples.error`` says so and the implementation is left out of the rest of its cells."""
+    try:
+        undo = _use(model, impl, kept)
         try:
             with torch.inference_mode():
-                compiled = mode == "compiled"
-                _generate(model, ids, mask, 2, compiled)  # warm-up (kernels, tables, compilation)
-                if compiled:
-                    _generate(model, ids, mask, new, compiled)
-                pre, full, out = [], [], None
-                prefill_only = lambda a=ids, m=mask, c=compiled: _generate(model, a, m, 1, c)  # noqa: E731
-                whole = lambda a=ids, m=mask, c=compiled: _generate(model, a, m, new, c)  # noqa: E731
-                for _ in range(repeats):
-                    pre.append(_timed(prefill_only, device)[0])
-                    ms, out = _timed(whole, device)
-                    full.append(ms)
-        except torch.OutOfMemoryError as exc:  # (batched_mm gathers a weight copy per slot) the cell, not the run
-            rows.append(_failed_row(impl, mode, batch, f"out of memory: {str(exc).splitlines()[0][:120]}"))
-            progress(f"[{n}/{len(cells)}] {impl} {mode} batch {batch}: {rows[-1]['error']}")
-            torch.cuda.empty_cache()
-            continue
+                body()
         finally:
             undo()
-        tokens = out[:, prompt:]
-        ref = reference.setdefault((mode, batch), tokens)
-        prefill = statistics.median(pre)
-        decode = (statistics.median(full) - prefill) / max(1, new - 1)
-        rows.append(
-            {
-                "impl": impl,
-                "mode": mode,
-                "batch": batch,
-                "prefill_ms": prefill,
-                "decode_ms": decode,
-                "agreement": float((tokens == ref).float().mean()),
-            }
-        )
-        progress(
-            f"[{n}/{len(cells)}] {impl} {mode} batch {batch}: prefill {prefill:.1f} ms, decode {decode:.2f} ms/token"
-        )
+    except torch.OutOfMemoryError as exc:  # (batched_mm gathers a weight copy per slot) the cell, not the run
+        samples.error = f"out of memory: {str(exc).splitlines()[0][:120]}"
+        progress(f"{where}: {impl}: {samples.error}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _row(impl, mode, batch, samples: _Samples, reference, tally: compile_watch.Tally, device) -> dict:
+    """The JSON row of one cell: medians (``prefill_ms``, ``decode_ms``) with their min and max, token agreement,
+    every repeat's figures, and what torch compiled and whether CUDA graphs ran (compiled mode)."""
+    if samples.error is not None or not samples.decode_ms:
+        row = _failed_row(impl, mode, batch, samples.error or "no timed repeat")
+    else:
+        row = {"impl": impl, "mode": mode, "batch": batch}
+        for key, values in (("prefill_ms", samples.prefill_ms), ("decode_ms", samples.decode_ms)):
+            row[key], row[f"{key}_min"], row[f"{key}_max"] = statistics.median(values), min(values), max(values)
+        row["agreement"] = float((samples.tokens == reference).float().mean())
+    compiled = mode == "compiled"
+    row.update(
+        warm_up_s=samples.warm_up_s,
+        repeats=len(samples.decode_ms),
+        prefill_ms_runs=samples.prefill_ms,
+        decode_ms_runs=samples.decode_ms,
+        cudagraphs=compile_watch.cudagraph_verdict(device, tally) if compiled else None,
+        cudagraph_skip_reasons=tally.reasons if compiled else [],
+        cudagraph_replays_per_step=tally.replays_per_step if compiled else None,
+        recompiled_after_warm_up=tally.compiled_after_warm_up,
+        compiled_while_timed=tally.compiled_while_timed,
+        cudagraphs_recorded_while_timed=tally.recorded_while_timed,
+    )
+    return row
+
+
+def _failed_row(impl: str, mode: str, batch: int, error: str) -> dict:
+    """The figures of a cell that could not run (None), with the reason under ``error``."""
+    return {"impl": impl, "mode": mode, "batch": batch, "prefill_ms": None, "prefill_ms_min": None,
+            "prefill_ms_max": None, "decode_ms": None, "decode_ms_min": None, "decode_ms_max": None,
+            "agreement": None, "error": error}  # fmt: skip
+
+
+def _add_vs_best_transformers(rows: list[dict]) -> None:
+    """Set each row's ``vs_best_transformers``: its median decode over the fastest transformers implementation's
+    median in the same (mode, batch), None where either is missing."""
     for row in rows:
         best = min(
             (
@@ -259,31 +417,57 @@ def run(model, impls, batches, modes, *, prompt: int, new: int, repeats: int, pr
             default=None,
         )
         row["vs_best_transformers"] = row["decode_ms"] / best if best and row["decode_ms"] is not None else None
-    return rows
 
 
-def _failed_row(impl: str, mode: str, batch: int, error: str) -> dict:
-    """The row of a cell that could not run (its times None, the reason under ``error``)."""
-    return {"impl": impl, "mode": mode, "batch": batch, "prefill_ms": None, "decode_ms": None, "agreement": None,
-            "error": error}  # fmt: skip
+def _span(lo, hi) -> str:
+    """``lo-hi`` as the table prints numbers, ``-`` without figures."""
+    return "-" if lo is None or hi is None else f"{report._fmt(lo)}-{report._fmt(hi)}"
+
+
+def _short(text: str | None, chars: int = _TABLE_VERDICT_CHARS) -> str | None:
+    """``text`` cut to at most ``chars`` characters (ending in "..." where cut); None stays None."""
+    return text if text is None or len(text) <= chars else text[: chars - 3] + "..."
 
 
 def table_rows(rows: list[dict]) -> list[list[object]]:
+    """The table's rows (:data:`COLUMNS`) of ``rows``."""
     return [
         [
             r["impl"],
             r["mode"],
             r["batch"],
             r["prefill_ms"],
+            _span(r.get("prefill_ms_min"), r.get("prefill_ms_max")),
             r["decode_ms"],
+            _span(r.get("decode_ms_min"), r.get("decode_ms_max")),
             r["vs_best_transformers"],
             f"{100 * r['agreement']:.0f}%" if r["agreement"] is not None else r.get("error", "-"),
+            _short(r.get("cudagraphs")),
         ]
         for r in rows
     ]
 
 
+def notes(rows: list[dict]) -> list[str]:
+    """Lines to print under the table: each compiled row's whole CUDA graph verdict where the table cuts it, and
+    each row for which torch compiled graphs after the warm-up or recorded CUDA graphs while timing."""
+    lines = []
+    for r in rows:
+        cell = f"{r['impl']} {r['mode']} batch {r['batch']}"
+        if r.get("cudagraphs") and len(r["cudagraphs"]) > _TABLE_VERDICT_CHARS:
+            lines.append(f"{cell}: CUDA graphs {r['cudagraphs']}")
+        if r.get("recompiled_after_warm_up"):
+            lines.append(
+                f"{cell}: {r['recompiled_after_warm_up']} graph(s) compiled after the warm-up "
+                f"({r.get('compiled_while_timed', 0)} while timed)"
+            )
+        if r.get("cudagraphs_recorded_while_timed"):
+            lines.append(f"{cell}: {r['cudagraphs_recorded_while_timed']} CUDA graph(s) recorded while timed")
+    return lines
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
+    """Bars of median decode ms/token per (mode, batch), one per implementation, with min-max error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,23 +478,60 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(impls)
     for j, impl in enumerate(impls):
-        ys = [
-            next((r["decode_ms"] or 0 for r in rows if r["impl"] == impl and (r["mode"], r["batch"]) == c), 0)
-            for c in cells
-        ]
-        ax.bar([i + j * width for i in range(len(cells))], ys, width, label=impl)
+        found = [next((r for r in rows if r["impl"] == impl and (r["mode"], r["batch"]) == c), None) for c in cells]
+        ys = [(r or {}).get("decode_ms") or 0 for r in found]
+        lows = [y - ((r or {}).get("decode_ms_min") or y) for y, r in zip(ys, found)]
+        highs = [((r or {}).get("decode_ms_max") or y) - y for y, r in zip(ys, found)]
+        ax.bar([i + j * width for i in range(len(cells))], ys, width, label=impl, yerr=[lows, highs], capsize=2)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [f"{m}\nbatch {b}" for m, b in cells])
-    ax.set_ylabel("decode ms / token")
-    ax.set_title(title)
+    ax.set_ylabel("decode ms / token (median, min-max)")
+    ax.set_title(textwrap.fill(title, 90), fontsize="medium")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 
 
-def main(args) -> int:
-    preset = args.preset or "qwen3-30b-a3b"
-    if preset not in MODELS:
-        raise SystemExit(f"--preset must be one of {sorted(MODELS)} for bench model, got {preset!r}")
+def _child_argv(args, preset: str, mode: str, repeats: int, json_path: str) -> list[str]:
+    """The command line of ``bench model`` for one ``mode`` in a process of its own, writing ``json_path``."""
+    argv = [sys.executable, "-m", "fusedmoe", "bench", "model", "--preset", preset, "--modes", mode]
+    argv += ["--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(repeats), "--json", json_path]
+    for flag in ("tiny", "cpu"):
+        if getattr(args, flag, False):
+            argv.append(f"--{flag}")
+    for option in ("layers", "impls", "batches"):
+        if getattr(args, option, None) is not None:
+            argv += [f"--{option}", str(getattr(args, option))]
+    return argv
+
+
+def _run_child(argv: list[str], mode: str) -> None:
+    """Run ``argv`` (its stdout shown as it goes, its stderr after it); if it fails, SystemExit with its exit
+    status and the tail of its stderr."""
+    proc = subprocess.run(argv, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-20:])
+        raise SystemExit(f"bench model --modes {mode} (a process of its own) exited with {proc.returncode}:\n{tail}")
+    sys.stderr.write(proc.stderr)
+
+
+def _run_isolated(args, preset: str, modes: list[str], repeats: int) -> dict:
+    """Each mode in a fresh ``python -m fusedmoe bench model`` process; the first one's result, with the rows of
+    all in ``modes`` order."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fusedmoe-bench-model-") as folder:
+        for mode in modes:
+            path = os.path.join(folder, f"{mode}.json")
+            _run_child(_child_argv(args, preset, mode, repeats, path), mode)
+            with open(path) as f:
+                results.append(json.load(f))
+    merged = {key: value for key, value in results[0].items() if key != "env"}
+    merged["rows"] = [row for result in results for row in result["rows"]]
+    merged["isolated"] = True
+    return merged
+
+
+def _run_here(args, preset: str, modes: list[str], repeats: int) -> dict:
+    """Build the model and run every mode in this process."""
     on_gpu = torch.cuda.is_available() and not args.cpu
     tiny = args.tiny or not on_gpu
     model = build(
@@ -321,23 +542,35 @@ def main(args) -> int:
         dtype=torch.bfloat16 if on_gpu else torch.float32,
     )
     impls = args.impls.split(",") if args.impls else available_impls()
-    modes = args.modes.split(",") if args.modes else ["eager", "compiled"]
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8]
-    rows = run(model, impls, batches, modes, prompt=args.prompt, new=args.new, repeats=args.repeats or 3)
-    size = "tiny" if tiny else "full size"
-    title = f"{preset} ({size}, {model.config.num_hidden_layers} layers): generate {args.prompt} + {args.new} tokens"
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else list(DEFAULT_BATCHES)
+    rows = run(model, impls, batches, modes, prompt=args.prompt, new=args.new, repeats=repeats)
+    return {"preset": preset, "tiny": tiny, "layers": model.config.num_hidden_layers, "isolated": False, "rows": rows}
+
+
+def main(args) -> int:
+    """``fusedmoe bench model``: run (here, or one process per mode with ``--isolate``), print the table and its
+    notes, write the JSON and the plot asked for."""
+    preset = args.preset or "qwen3-30b-a3b"
+    if preset not in MODELS:
+        raise SystemExit(f"--preset must be one of {sorted(MODELS)} for bench model, got {preset!r}")
+    modes = args.modes.split(",") if args.modes else list(DEFAULT_MODES)
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes must be a comma-separated subset of {','.join(MODES)}, got {args.modes!r}")
+    repeats = args.repeats or DEFAULT_REPEATS
+    runner = _run_isolated if getattr(args, "isolate", False) else _run_here
+    result = runner(args, preset, modes, repeats)
+    rows = result["rows"]
+    size = "tiny" if result["tiny"] else "full size"
+    title = (
+        f"{preset} ({size}, {result['layers']} layers): generate {args.prompt} + {args.new} tokens, "
+        f"{repeats} interleaved repeats" + (", one process per mode" if result["isolated"] else "")
+    )
     report.print_table(title, COLUMNS, table_rows(rows))
+    for line in notes(rows):
+        print(line)
     if args.json:
-        report.save_json(
-            args.json,
-            {
-                "env": report.environment(),
-                "preset": preset,
-                "tiny": tiny,
-                "layers": model.config.num_hidden_layers,
-                "rows": rows,
-            },
-        )
+        payload = {"env": report.environment(), **result, "prompt": args.prompt, "new": args.new, "repeats": repeats}
+        report.save_json(args.json, payload)
         print(f"wrote {args.json}")
     if args.plot:
         plot(rows, args.plot, title)

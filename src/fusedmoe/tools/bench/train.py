@@ -462,8 +462,6 @@ def _list(text: str | None, default, allowed=None) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "ep", None):
-        return _main_ep(args)
     on_gpu = torch.cuda.is_available() and not args.cpu
     tiny = args.tiny or not on_gpu
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -514,34 +512,6 @@ def main(args: argparse.Namespace) -> int:
     print_cross_check(rows)
     if args.json:
         save(rows)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def _main_ep(args: argparse.Namespace) -> int:
-    from . import ep_train
-
-    try:
-        worlds = [int(w) for w in args.ep.split(",") if w.strip()]
-    except ValueError:
-        raise SystemExit(f"--ep must be comma-separated world sizes, got {args.ep!r}") from None
-    if not worlds or any(w < 2 for w in worlds):
-        raise SystemExit(f"--ep world sizes must be >= 2, got {args.ep!r}")
-    from ..presets import PRESETS
-
-    shapes = _list(getattr(args, "shapes", None), SHAPES, PRESETS)
-    tokens = (args.tokens or [64])[0]
-    repeats = args.repeats or 10
-    env = report.environment()
-    print(f"CPU, gloo | torch {env['torch']} | commit {env.get('commit')} | one thread per process")
-    rows = ep_train.run(worlds, shapes, tokens, repeats)
-    title = (
-        f"expert-parallel training step (forward + backward, float32, torch experts, H={TINY_H}, I={TINY_I}; "
-        f"median of {repeats})"
-    )
-    report.print_table(title, ep_train.COLUMNS, ep_train.table_rows(rows))
-    if args.json:
-        report.save_json(args.json, {"env": env, "tokens_per_rank": tokens, "repeats": repeats, "ep": rows})
         print(f"wrote {args.json}")
     return 0
 
