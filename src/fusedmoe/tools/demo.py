@@ -101,4 +101,4 @@ def run(path: str | None = None, tokens: int = 32, prompt_len: int = 16, batch: 
 
 
 def main(args) -> int:
-    return run(path=args.model, tokens=args.tokens, prompt_len=args.prompt, batch=args.batch)
+    return run(path=args.model, tokens=args.tokens, prompt_len=args.prompt, batch=args.batch or 1)
