@@ -1,11 +1,12 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) over fusedmoe's experts, world 2 over gloo on the CPU.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) over fusedmoe's experts, worlds 2 and 4 over gloo on the CPU.
 
 - A tiny transformers MoE model whose experts run through fusedmoe (the experts interface and ``patch_model``),
   every decoder layer and the root sharded: one training step gives, on each rank, the loss of an unsharded model
   on transformers' own experts for that rank's batch, and the full (gathered) gradients of the average of the
   ranks' losses, with activation checkpointing and with each layer compiled too.
 - FSDP2 for the dense parts and expert parallelism for the experts in one model: ``fully_shard(...,
-  ignored_params=<the experts>)`` with ``FusedMoE(..., ep_group=...)``, against the same model in one process.
+  ignored_params=<the experts>)`` with ``FusedMoE(..., ep_group=...)``, against the same model in one process;
+  and at world 4, two expert-parallel groups of two whose expert shards are replicated across the groups.
 
 The GPU variant (world 1, NCCL, bf16) is in tests/test_gpu_fsdp.py."""
 
@@ -70,12 +71,12 @@ def _hf_worker(rank, world, init_file, cases, queue):
         dist.destroy_process_group()
 
 
-def _spawn(worker, *args):
+def _spawn(worker, *args, world=WORLD):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(WORLD, os.path.join(d, "init"), *args, queue), nprocs=WORLD, join=True)
-    out = dict(queue.get(timeout=60) for _ in range(WORLD))
+        mp.spawn(worker, args=(world, os.path.join(d, "init"), *args, queue), nprocs=world, join=True)
+    out = dict(queue.get(timeout=60) for _ in range(world))
     for rank, res in out.items():
         assert not isinstance(res, str), f"rank {rank} failed: {res}"
     return out
@@ -162,5 +163,57 @@ def test_fsdp2_dense_with_expert_parallel_experts():
     for rank, (errs, sharded) in _spawn(_ep_worker).items():
         assert "moe.w1" not in sharded and "moe.w2" not in sharded, f"rank {rank}: FSDP sharded the EP experts"
         assert "up.weight" in sharded and "moe.gate" in sharded, f"rank {rank}: dense parameters not sharded"
+        worst = max(errs.items(), key=lambda kv: kv[1])
+        assert worst[1] < 1e-5, f"rank {rank}: {worst[0]} differs from the one-process model by {worst[1]}"
+
+
+def _ep_replicas_worker(rank, world, init_file, queue):
+    """World 4 as 2 expert-parallel groups of 2 ({0, 1}, {2, 3}): ranks r and r + 2 hold the same expert shard
+    (replicas). FSDP shards the dense parts over all 4; the experts' gradients are summed over each replica pair
+    and divided by 4 (the ranks FSDP averages over), the recipe of docs/training.md."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        ep_size = 2
+        torch.manual_seed(0)
+        ref = _Block()
+        ref.moe.requires_grad_(True)
+        model = _Block(ep_group=ep_groups[rank // ep_size])
+        model.load_state_dict({n: t for n, t in ref.state_dict().items() if not n.startswith("moe.")}, strict=False)
+        model.moe.load_weights(ref.moe.w1.data, ref.moe.w2.data, ref.moe.gate.data)
+        model.moe.requires_grad_(True)
+        fully_shard(model, ignored_params=set(model.experts()))
+        g = torch.Generator().manual_seed(1)
+        counts = (5, 0, 4, 3)  # rank 1 has no tokens
+        xs = [torch.randn(m, H, generator=g) for m in counts]
+        ys = [torch.randn(m, 4, generator=g) for m in counts]
+        # a rank without tokens contributes 0 to the sum (mse_loss of nothing is nan)
+        loss_of = lambda out, y: torch.nn.functional.mse_loss(out, y, reduction="sum") / 4  # noqa: E731
+        loss = loss_of(model(xs[rank]), ys[rank])
+        loss.backward()
+        for p in model.experts():
+            dist.all_reduce(p.grad, group=replica_groups[rank % ep_size])
+            p.grad /= world
+        (sum(loss_of(ref(x), y) for x, y in zip(xs, ys)) / world).backward()
+        El = E // ep_size
+        mine = slice((rank % ep_size) * El, (rank % ep_size + 1) * El)
+        errs = {}
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            want = q.grad[mine] if name in ("moe.w1", "moe.w2") else q.grad
+            errs[name] = _rel(_full(p.grad), want)
+        queue.put((rank, errs))
+    except Exception as exc:  # pragma: no cover - reported by the parent
+        queue.put((rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_over_expert_parallel_groups_with_replicas():
+    for rank, errs in _spawn(_ep_replicas_worker, world=4).items():
         worst = max(errs.items(), key=lambda kv: kv[1])
         assert worst[1] < 1e-5, f"rank {rank}: {worst[0]} differs from the one-process model by {worst[1]}"
