@@ -37,11 +37,15 @@ def _layers(rank, world, backend, top_k, on_input, seed):
 
 
 def _grads(layer, x, probe):
-    """Gradients of ``(layer(x) * probe).sum()`` for x, w1, w2 and gate."""
+    """Gradients of ``(layer(x) * probe).sum()`` for x, w1, w2 and gate, and how many plans the backward took from
+    the layer's workspace manager (None without one)."""
     x = x.clone().requires_grad_(True)
     out = layer(x)
+    stats = layer.workspace.stats if layer.workspace is not None else None
+    calls = stats.calls if stats is not None else None
     (out * probe).sum().backward()
-    return out.detach(), x.grad, layer.w1.grad, layer.w2.grad, layer.gate.grad
+    backward_plans = stats.calls - calls if stats is not None else None
+    return out.detach(), x.grad, layer.w1.grad, layer.w2.grad, layer.gate.grad, backward_plans
 
 
 def _worker(rank, world, init_file, cases, queue):
@@ -81,6 +85,8 @@ def _worker(rank, world, init_file, cases, queue):
                 else:
                     errs[name] = relative_error(a, b)
             idle = IDLE // El == rank and float(ep.w1.grad[IDLE % El].abs().max() + ep.w2.grad[IDLE % El].abs().max())
+            if backend == "triton":  # the local experts' backward scratch came from the layer's manager
+                errs["backward plans"] = 0.0 if got[5] >= 1 else f"{got[5]} plans from the layer's manager"
             results.append(((backend, top_k, on_input), errs, idle))
         queue.put((rank, results))
     except Exception as exc:  # pragma: no cover - reported by the parent
