@@ -374,6 +374,7 @@ def _run_experts(
     (gpt-oss's converted per call while they need a gradient, :func:`_expert_weights`); casts and the gather of
     dense [T, E] routing weights are autograd ops too."""
     w1, w2, b1, b2 = _expert_weights(experts)
+    expert_map = _sentinel_map(experts, w1) if getattr(experts, "_is_expert_parallel", False) else None
     if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights (older DeepSeek-V2 style)
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
     weights = top_k_weights.float()
@@ -392,8 +393,24 @@ def _run_experts(
         backend=backend,
         w1_bias=b1,
         w2_bias=b2,
+        **({} if expert_map is None else {"expert_map": expert_map, "global_num_experts": expert_map.numel()}),
     )
     return out.to(hidden_states.dtype)
+
+
+def _sentinel_map(experts: nn.Module, w1: torch.Tensor) -> torch.Tensor:
+    """The expert map of a module sharded by transformers' expert parallelism: its ids are local, and its
+    all-reduce implementation marks the slots of other ranks' experts with the id ``E_local`` (weight 0). The map
+    [E_local + 1] sends ``e -> e`` and ``E_local -> -1``: the slot contributes nothing and gets no gradient, and the
+    sentinel is an id in range, so ``checks="full"`` (which rejects out-of-range ids) accepts the call. Cached per
+    module, size and device."""
+    E, device = w1.shape[0], w1.device
+    cached = experts.__dict__.get("_fusedmoe_sentinel_map")
+    if cached is None or cached.numel() != E + 1 or cached.device != device:
+        cached = torch.arange(E + 1, dtype=torch.int32, device=device)
+        cached[E] = -1
+        experts.__dict__["_fusedmoe_sentinel_map"] = cached
+    return cached
 
 
 # ---- transformers' fp8 experts (FineGrainedFP8) -------------------------------------------------------------
@@ -407,6 +424,8 @@ def fp8_experts_unsupported(experts: nn.Module) -> str | None:
     ``*_scale_inv``, as FineGrainedFP8 loads Qwen3-MoE-FP8 and DeepSeek-V3), or None when it can."""
     if not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False):
         return "ungated experts and expert biases are not supported with fp8 weights"
+    if getattr(experts, "_is_expert_parallel", False):
+        return "transformers' expert parallelism is not supported with fp8 weights"
     if getattr(experts, "activation_scheme", "dynamic") != "dynamic":
         return "static fp8 activation scales are not supported (fusedmoe quantizes activations per token group)"
     if getattr(experts, "gate_softcap", None) is not None:
@@ -740,6 +759,11 @@ def _patch_problems(blocks) -> list[str]:
             problems.append(f"{where}: no experts module with a transformers config")
             continue
         reason = experts_unsupported(experts)
+        if reason is None and getattr(experts, "_is_expert_parallel", False):
+            reason = (
+                "transformers' expert parallelism sharded its experts and replaced their forward: use "
+                "experts_implementation='fusedmoe', which computes the local experts"
+            )
         if reason is None and experts.__dict__.get("_fusedmoe_quant") is not None:
             reason = "its experts are quantized (quantize_experts): they run with experts_implementation='fusedmoe'"
         if reason is None and "forward" in block.__dict__:

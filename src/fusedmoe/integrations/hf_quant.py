@@ -65,6 +65,8 @@ def _float_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def _module_problem(experts: nn.Module, q: QuantConfig) -> tuple[type[Exception], str] | None:
     """(error type, reason) when ``experts`` cannot be quantized to ``q``, else None."""
     reason = experts_unsupported(experts)
+    if reason is None and getattr(experts, "_is_expert_parallel", False):
+        reason = "experts sharded by transformers' expert parallelism are not quantized"
     if reason is not None:
         return NotImplementedError, reason
     if is_quantized(experts):

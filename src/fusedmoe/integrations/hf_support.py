@@ -107,13 +107,13 @@ def _no_kernel(act_fn: object, note: str = "") -> str:
 def experts_unsupported(experts: nn.Module) -> str | None:
     """Why fusedmoe cannot compute the transformers experts module ``experts`` exactly, or None when it can.
 
-    Checks what a weight's dtype does not decide: gating, norms, layout, expert parallelism, activation."""
+    Checks what a weight's dtype does not decide: gating, norms, layout, activation. A module that transformers'
+    expert parallelism sharded (``_is_expert_parallel``) is computed on its local experts (see
+    :func:`fusedmoe.integrations.hf.fusedmoe_experts_forward`)."""
     if getattr(experts, "has_post_expert_norm", False):
         return "post-expert norms are not supported"
     if not getattr(experts, "has_gate", True):
         return "ungated experts are not supported"
-    if getattr(experts, "_is_expert_parallel", False):
-        return "transformers' expert parallelism is not supported (use fusedmoe's ep_group)"
     dtype = getattr(getattr(experts, "gate_up_proj", None), "dtype", None)
     if dtype is not None and dtype not in (*SERVED_DTYPES, torch.float64):
         return f"expert weights of dtype {dtype} (quantized) are not supported through transformers"
