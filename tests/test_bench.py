@@ -133,3 +133,21 @@ def test_transformers_baseline_computes_the_layer(impl):
     if module is None:
         pytest.skip("transformers not installed")
     assert relative_error(module(x, ids.long(), w), fused_moe_reference(x, w1, w2, w, ids)) < 1e-5
+
+
+def test_bench_host_measures_the_experts_interface_beside_the_bare_call():
+    """`bench host`'s interface rows: transformers' experts module ran through fusedmoe (its manager counted the
+    call), and each row has the bare fused_moe call and the stages beside it, with a host time."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from fusedmoe.tools.bench import host
+
+    rows = host.measure(torch.device("cpu"), preset=host.CPU_SHAPE, tokens=[1, 3], dtype=torch.float32,
+                        backends=("torch",), calls=3, ep=False)  # fmt: skip
+    want = [(p, M) for M in (1, 3) for p in ("experts interface (module call)", "fused_moe on the same inputs")]
+    assert [(r["path"], r["M"]) for r in rows if (r["path"], r["M"]) in want] == want
+    assert not [r for r in rows if "did not run" in r["path"]]
+    for r in rows:
+        if r["path"].startswith(("experts interface", "fused_moe on the same", "  fusedmoe_experts_forward")):
+            assert r["host_us"] > 0 and r["device_us"] is None

@@ -13,6 +13,9 @@ Reported per path and per M:
   included (``launch <kernel>``: its compiled launcher alone). ``raw launches`` is their sum: the floor of a call that
   makes these launches; ``forward / raw`` is the overhead factor;
 - GPU time per call (CUDA graph replay), to set host time against;
+- transformers' experts interface: the preset model's experts module called as its MoE block calls it
+  (transformers' dispatcher, then fusedmoe), beside the bare ``fused_moe`` on the same inputs and the stages
+  between (fusedmoe's experts function without the dispatcher, the routing weights' cast);
 - the batched layout (``FusedMoE(layout="batched")``) and, with gloo on the CPU, the expert-parallel layer of
   one rank.
 
@@ -89,6 +92,7 @@ def measure(
     backends=("triton",),
     calls: int = 200,
     ep: bool = True,
+    interface: bool = True,
 ) -> list[dict]:
     """Every row of the host table (see the module docstring) as dicts."""
     pr = preset if isinstance(preset, Preset) else get_preset(preset)
@@ -109,9 +113,57 @@ def measure(
     if device.type == "cuda" and "triton" in backends:
         with torch.inference_mode():
             _batched_rows(row, pr, device, dtype, tokens, calls)
+    if interface:
+        name = pr.name if not isinstance(preset, Preset) or preset is not CPU_SHAPE else "qwen3-30b-a3b"
+        with torch.inference_mode():
+            _interface_rows(row, name, device, dtype, tokens, backends[0], calls)
     if ep:
         _ep_rows(row, calls)
     return rows
+
+
+def _interface_rows(row, preset: str, device, dtype, tokens, backend: str, calls) -> None:
+    """transformers' experts interface around fusedmoe, stage by stage: the experts module of ``preset``'s
+    transformers model (tiny dimensions on the CPU) called as its MoE block calls it, with transformers' int64
+    top-k ids and routing weights in the hidden dtype; the bare ``fused_moe`` on the same inputs; and what lies
+    between (the dispatcher, fusedmoe's experts function, the routing weights' cast)."""
+    try:
+        from ...integrations import hf
+        from .train import shape_of, transformers_experts
+
+        shape = shape_of(preset, tiny=device.type != "cuda")
+        g = torch.Generator(device=device).manual_seed(0)
+        E, H, I = shape.num_experts, shape.hidden, shape.inter
+        w1 = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=g, device=device, dtype=dtype) / H**0.5, False)
+        w2 = torch.nn.Parameter(torch.randn(E, H, I, generator=g, device=device, dtype=dtype) / I**0.5, False)
+        experts = transformers_experts(shape, w1, w2)
+    except (ImportError, KeyError, ValueError) as err:
+        row("experts interface", backend, None, None, None, f"not measured: {type(err).__name__}: {err}"[:120])
+        return
+    if experts is None:
+        row("experts interface", backend, None, None, None, "not measured: transformers not installed")
+        return
+    hf.register()
+    experts.config._experts_implementation = hf.EXPERTS_IMPLEMENTATION
+    manager = hf.attach_workspace(experts, WorkspaceManager(device), backend)
+    h = lambda fn: host_us(fn, device, calls=calls)  # noqa: E731
+    where = f"{type(experts).__name__}, E={E} H={H} I={I}"
+    for M in tokens:
+        x = torch.randn(M, H, generator=g, device=device, dtype=dtype)
+        logits = torch.randn(M, E, generator=g, device=device)
+        weights, ids = torch.topk(logits.softmax(-1), shape.top_k, dim=-1)  # int64 ids, as transformers' routers
+        weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+        module_call = lambda x=x, i=ids, w=weights: experts(x, i, w)  # noqa: E731
+        calls_before = manager.stats.calls
+        row("experts interface (module call)", backend, M, h(module_call), device_us(module_call, device), where)
+        if manager.stats.calls == calls_before:
+            row("  (fusedmoe did not run)", backend, M, None, None, "the module fell back to transformers' code")
+            continue
+        bare = lambda x=x, i=ids, w=weights: fused_moe(x, w1, w2, w.float(), i, workspace=manager, backend=backend)  # noqa: E731
+        row("fused_moe on the same inputs", backend, M, h(bare), device_us(bare, device), "int64 ids, cast weights")
+        fn = lambda x=x, i=ids, w=weights: hf.fusedmoe_experts_forward(experts, x, i, w)  # noqa: E731
+        row("  fusedmoe_experts_forward (no dispatcher)", backend, M, h(fn))
+        row("  routing weights .float()", backend, M, h(lambda w=weights: w.float()))
 
 
 def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls) -> None:
