@@ -56,8 +56,11 @@ def _worker(rank, world, init_file, cases, queue):
 
         pin_config(MoEConfig.simple(16, 32, 16))
         results = []
-        for backend, top_k, on_input, seed in cases:
+        for backend, top_k, on_input, seed, *compiled in cases:
             full, ep = _layers(rank, world, backend, top_k, on_input, seed)
+            if compiled:  # the exchange runs outside the graph (a graph break), the rest compiled
+                torch._dynamo.reset()
+                ep = torch.compile(ep, backend="aot_eager")
             g = torch.Generator().manual_seed(seed + 1)
             counts = TOKENS[:world]
             xs = [torch.randn(m, H, generator=g) for m in counts]
@@ -114,7 +117,7 @@ def _run(world, cases):
 
 @pytest.mark.slow
 def test_ep_training_world2():
-    cases = [("torch", 2, False, 0), ("torch", 1, True, 1)]
+    cases = [("torch", 2, False, 0), ("torch", 1, True, 1), ("torch", 2, False, 5, "compiled")]
     if os.environ.get("TRITON_INTERPRET") == "1":
         cases.append(("triton", 2, False, 2))
     _run(2, cases)

@@ -473,13 +473,7 @@ class FusedMoE(nn.Module):
             if not torch.compiler.is_compiling():
                 return self._forward_train(hidden_states, router_logits)
             if self._parallel is not None:  # compiled local layers train through the differentiable op below
-                forbid_gradients(
-                    "FusedMoE under torch.compile",
-                    "expert-parallel and batched-layout layers train only eagerly (the exchange sizes are host values)",
-                    hidden_states=hidden_states,
-                    router_logits=router_logits,
-                    **dict(self.named_parameters()),
-                )
+                return _eager_forward_train(self, hidden_states, router_logits)
         if torch.compiler.is_compiling() and self._parallel is None:
             # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op
@@ -639,3 +633,10 @@ class FusedMoE(nn.Module):
         if self.shared_gate is not None:
             y = torch.sigmoid(F.linear(x, self.shared_gate)) * y
         return y
+
+
+@torch.compiler.disable
+def _eager_forward_train(layer: FusedMoE, hidden_states: torch.Tensor, router_logits: torch.Tensor | None):
+    """:meth:`FusedMoE._forward_train` outside the compiled graph (a graph break): the training forward of an
+    expert-parallel or batched-layout layer, whose exchange sizes are host values the compiler cannot trace."""
+    return layer._forward_train(hidden_states, router_logits)

@@ -14,9 +14,9 @@ Rank r of a world of W owns the global experts ``[r * E_local, (r + 1) * E_local
    With ``apply_router_weight_on_input`` the rows are weighted before the dispatch instead.
 
 Slots whose id is outside ``[0, E)`` go nowhere and contribute zero. The exchange sizes come from the counts, so
-nothing is padded to a static bound (training is eager; the inference path keeps its static, graph-friendly
-sizes). Every rank must run the forward and the backward of every call (the collectives pair up across ranks),
-also a rank with no tokens: its backward still takes part in the reversed exchanges.
+nothing is padded to a static bound (training runs eagerly, outside a compiled graph; the inference path keeps its
+static, graph-friendly sizes). Every rank must run the forward and the backward of every call (the collectives
+pair up across ranks), also a rank with no tokens: its backward still takes part in the reversed exchanges.
 """
 
 from __future__ import annotations
