@@ -473,7 +473,9 @@ class FusedMoE(nn.Module):
             if not torch.compiler.is_compiling():
                 return self._forward_train(hidden_states, router_logits)
             if self._parallel is not None:  # compiled local layers train through the differentiable op below
-                return _eager_forward_train(self, hidden_states, router_logits)
+                from .training.outside_graph import forward_train_outside_graph  # imports torch._dynamo
+
+                return forward_train_outside_graph(self, hidden_states, router_logits)
         if torch.compiler.is_compiling() and self._parallel is None:
             # the opaque registered op (fusedmoe.op): the compiler sees one node; eager calls run directly
             from .op import fused_moe_op
@@ -633,10 +635,3 @@ class FusedMoE(nn.Module):
         if self.shared_gate is not None:
             y = torch.sigmoid(F.linear(x, self.shared_gate)) * y
         return y
-
-
-@torch.compiler.disable
-def _eager_forward_train(layer: FusedMoE, hidden_states: torch.Tensor, router_logits: torch.Tensor | None):
-    """:meth:`FusedMoE._forward_train` outside the compiled graph (a graph break): the training forward of an
-    expert-parallel or batched-layout layer, whose exchange sizes are host values the compiler cannot trace."""
-    return layer._forward_train(hidden_states, router_logits)
