@@ -169,6 +169,23 @@ def fusedmoe_pair(model_type: str, mode: str, **kwargs):
     return ref, model, use_fusedmoe(model, mode)
 
 
+def fully_shard_through_fusedmoe(model: torch.nn.Module, mode: str, extra=()):
+    """``model`` switched to fusedmoe (:func:`use_fusedmoe`), then FSDP2-sharded as a transformers model is: each
+    decoder layer, then the root; ``extra`` may hold "checkpointing" (non-reentrant activation checkpointing) and
+    "compile" (each layer compiled). Needs a process group; returns the manager of :func:`use_fusedmoe`."""
+    from torch.distributed.fsdp import fully_shard
+
+    handle = use_fusedmoe(model, mode)
+    if "checkpointing" in extra:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        fully_shard(layer)
+        if "compile" in extra:
+            layer.compile()
+    fully_shard(model)
+    return handle
+
+
 def prompt(batch: int = 2, length: int = 12, seed: int = 1, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, COMMON["vocab_size"], (batch, length), generator=g).to(device)

@@ -6,12 +6,11 @@ rank routes its own tokens). Uneven token counts, a rank with no tokens and an e
 case; the torch experts, the Triton experts (interpreter) and the router weight on the input are covered."""
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import run_ranks
 
 E, H, I = 8, 32, 32
 TOKENS = [5, 0, 7, 3]  # tokens per rank: rank 1 has none
@@ -48,65 +47,53 @@ def _grads(layer, x, probe):
     return out.detach(), x.grad, layer.w1.grad, layer.w2.grad, layer.gate.grad, backward_plans
 
 
-def _worker(rank, world, init_file, cases, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from fusedmoe.ops.configs import MoEConfig, pin_config
-        from fusedmoe.reference import relative_error
+def _worker(rank, world, cases):
+    from fusedmoe.ops.configs import MoEConfig, pin_config
+    from fusedmoe.reference import relative_error
 
-        pin_config(MoEConfig.simple(16, 32, 16))
-        results = []
-        for backend, top_k, on_input, seed, *compiled in cases:
-            full, ep = _layers(rank, world, backend, top_k, on_input, seed)
-            if compiled:  # the exchange runs outside the graph (a graph break), the rest compiled
-                torch._dynamo.reset()
-                ep = torch.compile(ep, backend="aot_eager")
-            g = torch.Generator().manual_seed(seed + 1)
-            counts = TOKENS[:world]
-            xs = [torch.randn(m, H, generator=g) for m in counts]
-            probes = [torch.randn(m, H, generator=g) for m in counts]
-            ref = _grads(full, torch.cat(xs), torch.cat(probes))
-            got = _grads(ep, xs[rank], probes[rank])
-            gate = got[4].clone()
-            dist.all_reduce(gate)  # each rank's router saw its own tokens: the reference's is the sum
-            lo = sum(counts[:rank])
-            El = E // world
-            mine = slice(rank * El, (rank + 1) * El)
-            pairs = {
-                "out": (got[0], ref[0][lo : lo + counts[rank]]),
-                "x": (got[1], ref[1][lo : lo + counts[rank]]),
-                "w1": (got[2], ref[2][mine]),
-                "w2": (got[3], ref[3][mine]),
-                "gate": (gate, ref[4]),
-            }
-            errs = {}
-            for name, (a, b) in pairs.items():
-                if a is None or a.shape != b.shape:
-                    errs[name] = f"shape {None if a is None else tuple(a.shape)} against {tuple(b.shape)}"
-                elif b.numel() == 0 or b.abs().max() == 0:
-                    errs[name] = float(a.abs().max()) if a.numel() else 0.0  # must be exactly zero too
-                else:
-                    errs[name] = relative_error(a, b)
-            idle = IDLE // El == rank and float(ep.w1.grad[IDLE % El].abs().max() + ep.w2.grad[IDLE % El].abs().max())
-            if backend == "triton":  # the local experts' backward scratch came from the layer's manager
-                errs["backward plans"] = 0.0 if got[5] >= 1 else f"{got[5]} plans from the layer's manager"
-            results.append(((backend, top_k, on_input), errs, idle))
-        queue.put((rank, results))
-    except Exception as exc:  # pragma: no cover - reported by the parent
-        queue.put((rank, repr(exc)))
-        raise
-    finally:
-        dist.destroy_process_group()
+    pin_config(MoEConfig.simple(16, 32, 16))
+    results = []
+    for backend, top_k, on_input, seed, *compiled in cases:
+        full, ep = _layers(rank, world, backend, top_k, on_input, seed)
+        if compiled:  # the exchange runs outside the graph (a graph break), the rest compiled
+            torch._dynamo.reset()
+            ep = torch.compile(ep, backend="aot_eager")
+        g = torch.Generator().manual_seed(seed + 1)
+        counts = TOKENS[:world]
+        xs = [torch.randn(m, H, generator=g) for m in counts]
+        probes = [torch.randn(m, H, generator=g) for m in counts]
+        ref = _grads(full, torch.cat(xs), torch.cat(probes))
+        got = _grads(ep, xs[rank], probes[rank])
+        gate = got[4].clone()
+        dist.all_reduce(gate)  # each rank's router saw its own tokens: the reference's is the sum
+        lo = sum(counts[:rank])
+        El = E // world
+        mine = slice(rank * El, (rank + 1) * El)
+        pairs = {
+            "out": (got[0], ref[0][lo : lo + counts[rank]]),
+            "x": (got[1], ref[1][lo : lo + counts[rank]]),
+            "w1": (got[2], ref[2][mine]),
+            "w2": (got[3], ref[3][mine]),
+            "gate": (gate, ref[4]),
+        }
+        errs = {}
+        for name, (a, b) in pairs.items():
+            if a is None or a.shape != b.shape:
+                errs[name] = f"shape {None if a is None else tuple(a.shape)} against {tuple(b.shape)}"
+            elif b.numel() == 0 or b.abs().max() == 0:
+                errs[name] = float(a.abs().max()) if a.numel() else 0.0  # must be exactly zero too
+            else:
+                errs[name] = relative_error(a, b)
+        idle = IDLE // El == rank and float(ep.w1.grad[IDLE % El].abs().max() + ep.w2.grad[IDLE % El].abs().max())
+        if backend == "triton":  # the local experts' backward scratch came from the layer's manager
+            errs["backward plans"] = 0.0 if got[5] >= 1 else f"{got[5]} plans from the layer's manager"
+        results.append(((backend, top_k, on_input), errs, idle))
+    return results
 
 
 def _run(world, cases):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), cases, queue), nprocs=world, join=True)
-    out = dict(queue.get(timeout=60) for _ in range(world))
+    out = run_ranks(_worker, world, cases)
     for rank, res in out.items():
-        assert not isinstance(res, str), f"rank {rank} failed: {res}"
         for tag, errs, idle in res:
             for name, err in errs.items():
                 assert not isinstance(err, str), f"rank {rank} {tag} {name}: {err}"
@@ -128,35 +115,27 @@ def test_ep_training_world4():
     _run(4, [("torch", 2, False, 3)])
 
 
-def _mismatch_worker(rank, world, init_file, queue):
+def _mismatch_worker(rank, world):
     """A negative control of the comparison: the expert shards swapped between the ranks must change the
     gradients (so a gradient that reached the wrong rank's experts would be caught)."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from fusedmoe.reference import relative_error
+    from fusedmoe.reference import relative_error
 
-        full, ep = _layers(rank, world, "torch", 2, False, 4)
-        El = E // world
-        ep.load_weights(torch.roll(full.w1.data, El, 0), torch.roll(full.w2.data, El, 0), full.gate.data)
-        g = torch.Generator().manual_seed(5)
-        xs = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
-        probes = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
-        ref = _grads(full, torch.cat(xs), torch.cat(probes))
-        got = _grads(ep, xs[rank], probes[rank])
-        lo = sum(TOKENS[:rank])
-        b = ref[1][lo : lo + TOKENS[rank]]
-        queue.put((rank, relative_error(got[1], b) if b.numel() else None))
-    finally:
-        dist.destroy_process_group()
+    full, ep = _layers(rank, world, "torch", 2, False, 4)
+    El = E // world
+    ep.load_weights(torch.roll(full.w1.data, El, 0), torch.roll(full.w2.data, El, 0), full.gate.data)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
+    probes = [torch.randn(m, H, generator=g) for m in TOKENS[:world]]
+    ref = _grads(full, torch.cat(xs), torch.cat(probes))
+    got = _grads(ep, xs[rank], probes[rank])
+    lo = sum(TOKENS[:rank])
+    b = ref[1][lo : lo + TOKENS[rank]]
+    return relative_error(got[1], b) if b.numel() else None
 
 
 @pytest.mark.slow
 def test_ep_training_catches_swapped_shards():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_mismatch_worker, args=(2, os.path.join(d, "init"), queue), nprocs=2, join=True)
-    errs = dict(queue.get(timeout=60) for _ in range(2))
+    errs = run_ranks(_mismatch_worker, 2)
     assert errs[0] > 1e-2, f"swapped expert shards left rank 0's input gradient unchanged ({errs[0]})"
 
 

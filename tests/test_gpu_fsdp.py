@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from hf_tiny import prompt, tiny_model, use_fusedmoe  # noqa: E402
+from hf_tiny import fully_shard_through_fusedmoe, prompt, tiny_model  # noqa: E402
 
 from fusedmoe.reference import relative_error  # noqa: E402
 
@@ -41,19 +41,10 @@ def nccl_world_of_one():
 @pytest.mark.parametrize("extra", [(), ("checkpointing",), ("compile",)], ids=["plain", "checkpointing", "compile"])
 @pytest.mark.parametrize("mode", ["patch", "interface"])
 def test_fsdp2_bf16_training_step(nccl_world_of_one, mode, extra):
-    from torch.distributed.fsdp import fully_shard
-
     ids = prompt(device=DEV)
     ref = tiny_model("qwen3_moe", dtype=torch.bfloat16, device=DEV, num_hidden_layers=1).train()
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16, device=DEV, num_hidden_layers=1).train()
-    manager = use_fusedmoe(model, mode)
-    if "checkpointing" in extra:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in model.model.layers:
-        fully_shard(layer)
-        if "compile" in extra:
-            layer.compile()
-    fully_shard(model)
+    manager = fully_shard_through_fusedmoe(model, mode, extra)
     calls = manager.stats.calls
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
