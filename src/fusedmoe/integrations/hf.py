@@ -393,7 +393,8 @@ def _run_experts(
         backend=backend,
         w1_bias=b1,
         w2_bias=b2,
-        **({} if expert_map is None else {"expert_map": expert_map, "global_num_experts": expert_map.numel()}),
+        expert_map=expert_map,
+        global_num_experts=None if expert_map is None else expert_map.numel(),
     )
     return out.to(hidden_states.dtype)
 
