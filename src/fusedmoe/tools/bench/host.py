@@ -114,7 +114,7 @@ def measure(
         with torch.inference_mode():
             _batched_rows(row, pr, device, dtype, tokens, calls)
     if interface:
-        name = pr.name if not isinstance(preset, Preset) or preset is not CPU_SHAPE else "qwen3-30b-a3b"
+        name = "qwen3-30b-a3b" if pr is CPU_SHAPE else pr.name  # the CPU shape is no transformers model
         with torch.inference_mode():
             _interface_rows(row, name, device, dtype, tokens, backends[0], calls)
     if ep:
