@@ -394,3 +394,28 @@ def test_compile_fullgraph_every_architecture(arch, mode):
     out = _run(compiled, ids, use_cache=False).logits
     assert relative_error(out, _run(ref, ids, use_cache=False).logits) < TOL
     assert manager.stats.calls > calls
+
+
+@pytest.mark.parametrize("arch, weights_dtype", [("qwen3_moe", torch.bfloat16), ("mixtral", torch.float32)])
+def test_experts_interface_passes_transformers_tensors_as_they_come(arch, weights_dtype, monkeypatch):
+    """The experts interface hands transformers' routing weights (bf16 in a bf16 Qwen3-MoE, float32 in Mixtral)
+    and int64 ids to fusedmoe as they are: no conversion op per call (the kernels read them in their own dtype)."""
+    ref, model, manager = fusedmoe_pair(arch, "experts", dtype=torch.bfloat16)
+    given, seen = [], []
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    for m in experts:
+        m.register_forward_pre_hook(lambda mod, args: given.append(args[1:3]))
+    real = hf.fused_moe
+
+    def recording(x, w1, w2, topk_weights, topk_ids, **kw):
+        seen.append((topk_ids, topk_weights))
+        return real(x, w1, w2, topk_weights, topk_ids, **kw)
+
+    monkeypatch.setattr(hf, "fused_moe", recording)
+    ids = prompt()
+    out = _run(model, ids).logits
+    assert experts and len(seen) == len(given) > 0
+    for (ids_in, w_in), (ids_used, w_used) in zip(given, seen):
+        assert w_in.dtype == weights_dtype and ids_in.dtype == torch.int64
+        assert w_used is w_in and ids_used is ids_in
+    assert relative_error(out.float(), _run(ref, ids).logits.float()) < 2e-2  # bf16 on both sides

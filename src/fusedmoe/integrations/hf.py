@@ -377,7 +377,6 @@ def _run_experts(
     expert_map = _sentinel_map(experts, w1) if getattr(experts, "_is_expert_parallel", False) else None
     if top_k_weights.shape != top_k_index.shape:  # dense [T, E] routing weights (older DeepSeek-V2 style)
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
-    weights = top_k_weights.float()
     x = hidden_states
     if x.dtype != w1.dtype:
         x = x.to(w1.dtype)
@@ -386,7 +385,7 @@ def _run_experts(
         x,
         w1,
         w2,
-        weights,
+        top_k_weights,  # in transformers' dtype: the kernels read any float dtype and compute in float32
         top_k_index,
         activation=activation,
         workspace=workspace,
