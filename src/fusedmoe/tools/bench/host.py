@@ -15,7 +15,7 @@ Reported per path and per M:
 - GPU time per call (CUDA graph replay), to set host time against;
 - transformers' experts interface: the preset model's experts module called as its MoE block calls it
   (transformers' dispatcher, then fusedmoe), beside the bare ``fused_moe`` on the same inputs and the stages
-  between (fusedmoe's experts function without the dispatcher, the routing weights' cast);
+  between (fusedmoe's experts function without the dispatcher);
 - the batched layout (``FusedMoE(layout="batched")``) and, with gloo on the CPU, the expert-parallel layer of
   one rank.
 
@@ -126,7 +126,7 @@ def _interface_rows(row, preset: str, device, dtype, tokens, backend: str, calls
     """transformers' experts interface around fusedmoe, stage by stage: the experts module of ``preset``'s
     transformers model (tiny dimensions on the CPU) called as its MoE block calls it, with transformers' int64
     top-k ids and routing weights in the hidden dtype; the bare ``fused_moe`` on the same inputs; and what lies
-    between (the dispatcher, fusedmoe's experts function, the routing weights' cast)."""
+    between (the dispatcher, fusedmoe's experts function)."""
     try:
         from ...integrations import hf
         from .train import shape_of, transformers_experts
@@ -159,11 +159,10 @@ def _interface_rows(row, preset: str, device, dtype, tokens, backend: str, calls
         if manager.stats.calls == calls_before:
             row("  (fusedmoe did not run)", backend, M, None, None, "the module fell back to transformers' code")
             continue
-        bare = lambda x=x, i=ids, w=weights: fused_moe(x, w1, w2, w.float(), i, workspace=manager, backend=backend)  # noqa: E731
-        row("fused_moe on the same inputs", backend, M, h(bare), device_us(bare, device), "int64 ids, cast weights")
+        bare = lambda x=x, i=ids, w=weights: fused_moe(x, w1, w2, w, i, workspace=manager, backend=backend)  # noqa: E731
+        row("fused_moe on the same inputs", backend, M, h(bare), device_us(bare, device), "as transformers passes them")
         fn = lambda x=x, i=ids, w=weights: hf.fusedmoe_experts_forward(experts, x, i, w)  # noqa: E731
         row("  fusedmoe_experts_forward (no dispatcher)", backend, M, h(fn))
-        row("  routing weights .float()", backend, M, h(lambda w=weights: w.float()))
 
 
 def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls) -> None:
