@@ -112,9 +112,9 @@ def test_block_m_options_cover_the_grid():
     assert block_m_options(4096, 8, 128, scaled_k_tiles=True) == [64, 128]  # fp8_block: 128-row tiles spill
     assert block_m_options(64, 8, 128) == [16, 32]  # 4 rows per expert: two plausible tiles
     # quantized dtypes also try the multiply-add loops' decode-sized blocks, up to TUNE_DECODE_ROWS rows per expert
-    assert block_m_options(1, 4, 32, decode_blocks=True) == [1, 16] == block_m_options(8, 4, 32, decode_blocks=True)
-    assert block_m_options(32, 4, 32, decode_blocks=True) == [1, 16]  # 4 rows per expert: still one-row blocks
-    assert 1 not in block_m_options(64, 4, 32, decode_blocks=True) and block_m_options(1, 4, 32) == [16]
+    assert block_m_options(1, 4, 32, decode_rows=4) == [1, 16] == block_m_options(8, 4, 32, decode_rows=4)
+    assert block_m_options(32, 4, 32, decode_rows=4) == [1, 16]  # 4 rows per expert: still one-row blocks
+    assert 1 not in block_m_options(64, 4, 32, decode_rows=4) and block_m_options(1, 4, 32) == [16]
 
 
 def test_mxfp4_search_space():
@@ -131,7 +131,10 @@ def test_mxfp4_search_space():
     assert all(g.block_m == 1 and g.block_k % 32 == 0 for g in c1[1] + c2[1])
     assert space[4096][0] == [128]
     assert Target.of("qwen3-30b-a3b", "fp8_block").search_space([1], quick=True)[1][0] == [1, 16]
-    assert Target.of("qwen3-30b-a3b", "bf16").search_space([1], quick=True)[1][0] == [16]
+    # bf16 tries one-row blocks (the two-launch slot-order GEMMs) up to one row per expert: qwen3's M = 16
+    bf16 = Target.of("qwen3-30b-a3b", "bf16").search_space([1, 16, 32], quick=True)
+    assert bf16[1][0] == [1, 16] == bf16[16][0] and 1 not in bf16[32][0]
+    assert 1 not in Target.of("gpt-oss-20b", "mxfp4_mma").search_space([1], quick=True)[1][0]
 
 
 # ---- tiles fitted to the element size ------------------------------------------------------------------------
@@ -223,6 +226,25 @@ def test_merge_keeps_the_token_counts_not_retuned(tmp_path):
     assert table == {1: new[1], 8: new[8], 64: old[64], 4096: old[4096]}
     assert source == "second run; M=1,8 merged into: first run"
     assert merged_table(tmp_path / "absent.json", new, "s") == (new, "s")
+    # a device without a file of its own merges into its stand-in's table (an H100 re-tuning the H200's)
+    table, source = merged_table(tmp_path / "absent.json", new, "third run", [tmp_path / "none.json", path])
+    assert table == {1: new[1], 8: new[8], 64: old[64], 4096: old[4096]}
+    assert source == "third run; M=1,8 merged into: first run"
+
+
+def test_an_h100_reads_the_h200_tables_without_its_own(tmp_path):
+    """The H100 reads the H200's tables where it has none of its own; its own file wins where there is one; other
+    devices take no stand-in."""
+    from fusedmoe.ops.configs import find_table, table_devices
+
+    assert table_devices("NVIDIA_H100_80GB_HBM3") == ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"]
+    assert table_devices("NVIDIA_H200") == ["NVIDIA_H200"] and table_devices("cpu") == ["cpu"]
+    shipped = find_table(128, 768, "NVIDIA_H200")
+    assert shipped is not None and find_table(128, 768, "NVIDIA_H100_80GB_HBM3") == shipped
+    assert find_table(128, 768, "NVIDIA_A100-SXM4-80GB") is None
+    own = {1: MoEConfig.simple(1, 16, 128), 64: MoEConfig.simple(16, 64, 64)}
+    (tmp_path / "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json").write_text(table_to_json(own, "h100 run"))
+    assert find_table(128, 768, "NVIDIA_H100_80GB_HBM3", config_dir=str(tmp_path)).entries == own
 
 
 # ---- between table entries: measured switch points ----------------------------------------------------------

@@ -9,13 +9,15 @@ quantization settings, IEEE float32 dots) is a value derived from the problem an
 (pinned config, config folder, float32 matmul precision); plans are keyed by it, so a change of configuration
 can never reuse scratch sized for another one.
 
-Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; fp8 adds one quantization launch per GEMM
-input (two for a dynamic per-tensor scale: partial maxima, then quantize), except that fp8_block GEMM1 tiles
-holding whole scale groups (BLOCK_N a multiple of the group) quantize their own output from float32
-(:attr:`TritonLaunch.gemm1_quantizes`). GEMM2 writes its weighted rows in
-float32, so the top-k sum rounds once, to the output dtype (:func:`y_dtype`), except on a flattened persistent
-grid (the shipped bf16 tables' entries from 1024 tokens, which their switch points serve from 724-1024): there
-they take the activation dtype, as vLLM and triton_kernels store them at every size.
+Kernels per call: align 1-2 (1 at decode), GEMM1, GEMM2, reduce; with one-row tiles (a config's BLOCK_M 1)
+only GEMM1 and GEMM2 over the slots in their own order, GEMM2 summing each token's slots
+(:attr:`TritonLaunch.slot_order`, :mod:`fusedmoe.ops.slot_gemm`; MXFP4 weights keep the reduce). fp8 on 16-row
+tiles adds one quantization launch per GEMM input (two for a dynamic per-tensor scale: partial maxima, then
+quantize), except that fp8_block GEMM1 tiles holding whole scale groups (BLOCK_N a multiple of the group) quantize
+their own output from float32 (:attr:`TritonLaunch.gemm1_quantizes`). GEMM2 writes its weighted rows in float32,
+so the top-k sum rounds once, to the output dtype (:func:`y_dtype`), except on a flattened persistent grid (the
+shipped bf16 tables' entries from 1024 tokens, which their switch points serve from 724-1024): there they take the
+activation dtype, as vLLM and triton_kernels store them at every size.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..ops.expert_gemm import MIN_DOT_BLOCK_M, MXFP4_GROUP, Numerics
 from ..ops.grouped_gemm import fp8_output_fits, grid_blocks, moe_gemm1, moe_gemm2
 from ..ops.quantize import num_partials, quantize_activation, scale_shape
 from ..ops.reduce import moe_reduce
+from ..ops.slot_gemm import moe_gemm1_slots, moe_gemm2_reduce, moe_gemm2_slots, token_reduces
 from ..problem import ACTIVATIONS, Layout, MoEProblem, hash_once, state_without_hash
 from ..quant import FP8_DTYPE, FP8_MODES
 from ..steps import step
@@ -40,6 +43,9 @@ from ..workspace.plan import BufferSpec
 from .base import Experts
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: Diagnostic switch: ``FUSEDMOE_SLOT_GEMM=0`` (read at import) sends one-row tiles through the aligned four-launch
+#: path (align, GEMM1, GEMM2, reduce) instead of the slot-order GEMMs, to compare the two.
+SLOT_GEMM = os.environ.get("FUSEDMOE_SLOT_GEMM", "1") != "0"
 #: Smallest K extent of an fp8 ``tl.dot`` tile on NVIDIA GPUs (Triton's min_dot_size for 8-bit operands).
 MIN_FP8_BLOCK_K = 32
 
@@ -102,6 +108,18 @@ class TritonLaunch:
         return (
             self.quant_mode == "fp8_block" and not self.weight_only and fp8_output_fits(self.config.gemm1, self.group_k)
         )
+
+    @property
+    def slot_order(self) -> bool:
+        """One-row tiles: the GEMMs run over the slots in their own order, with no alignment
+        (:mod:`fusedmoe.ops.slot_gemm`; a tile of one row holds one slot, so sorting slots by expert gives it
+        nothing), and GEMM2 sums each token's slots itself where :attr:`token_reduce`."""
+        return SLOT_GEMM and self.config.block_m == 1 and self.quant_mode != "mxfp4_mma"
+
+    @property
+    def token_reduce(self) -> bool:
+        """Slot order whose GEMM2 writes each token's summed row (float and fp8 weights): two launches in all."""
+        return self.slot_order and token_reduces(self.quant_mode)
 
     @property
     def weight_only(self) -> bool:
@@ -311,6 +329,67 @@ def _gemm2_fp8(c, sorted_ids, block_expert, a2q, y, a2_scale=None):
     _gemm2_call(c, sorted_ids, block_expert, y, a2q, c.x.a2_scale if c.launch.static_scale else a2_scale)
 
 
+def _slot_gemm_options(c, config, a_scale, w_scale, bias) -> dict:
+    """The keywords both slot-order GEMMs take from the call (see :func:`_gemm_options`)."""
+    x, p = c.x, c.p
+    numerics = gemm_numerics(c.launch, a_scale, w_scale, p.E)
+    return {
+        "num_experts": p.E,
+        "global_num_experts": p.global_E,
+        "expert_map": x.expert_map,
+        "config": config,
+        "numerics": numerics,
+        "bias": bias,
+    }
+
+
+@step
+def _gemm1_slots(c, act):
+    # one-row tiles take the input as it came: float, or fp8 with its scales when prepare quantized it
+    x, p = c.x, c.p
+    a_scale = None
+    if x.hidden_states.dtype == FP8_DTYPE:
+        if x.a1_scale is None:
+            raise ValueError("fp8 hidden_states need a1_scale")
+        a_scale = x.a1_scale
+    moe_gemm1_slots(
+        x.hidden_states,
+        x.w1,
+        act,
+        _ids(c),
+        activation=p.activation,
+        topk_weights=x.topk_weights if p.apply_router_weight_on_input else None,
+        preact=x.preact,
+        **_slot_gemm_options(c, c.launch.config.gemm1, a_scale, x.w1_scale, x.w1_bias),
+    )
+
+
+@step
+def _gemm2_reduce(c, act):
+    x = c.x
+    moe_gemm2_reduce(
+        act,
+        x.w2,
+        c.out,
+        _ids(c),
+        topk_weights=None if c.p.apply_router_weight_on_input else x.topk_weights,
+        **_slot_gemm_options(c, c.launch.config.gemm2, None, x.w2_scale, x.w2_bias),
+    )
+
+
+@step
+def _gemm2_slots(c, act, y):
+    x = c.x
+    moe_gemm2_slots(
+        act,
+        x.w2,
+        y,
+        _ids(c),
+        topk_weights=None if c.p.apply_router_weight_on_input else x.topk_weights,
+        **_slot_gemm_options(c, c.launch.config.gemm2, None, x.w2_scale, x.w2_bias),
+    )
+
+
 @step
 def _reduce(c, y):
     moe_reduce(y, _ids(c), c.out, c.p.E, expert_map=c.x.expert_map, global_num_experts=c.p.global_E)
@@ -401,6 +480,9 @@ class TritonExperts(Experts):
         L = launch
         S, M, H, I = p.slots, p.M, p.H, p.I
         i32, f32, dt = torch.int32, torch.float32, p.dtype
+        if L.slot_order:  # no alignment; GEMM2 writes the output itself where it sums the slots
+            act = BufferSpec("act", (S, I), dt, region="2")
+            return [act] if L.token_reduce else [act, BufferSpec("y", (S, H), y_dtype(p, L.config))]
         ap = L.align
         specs = [
             BufferSpec("sorted_ids", (ap.max_padded,), i32),
@@ -427,6 +509,8 @@ class TritonExperts(Experts):
     def steps(self, p: MoEProblem, launch: TritonLaunch):
         if p.M == 0:
             return []
+        if launch.slot_order:
+            return [_gemm1_slots, _gemm2_reduce] if launch.token_reduce else [_gemm1_slots, _gemm2_slots, _reduce]
         if launch.quant_mode not in FP8_MODES:  # unquantized, or MXFP4 weights (the GEMMs' numerics carry them)
             return [_align, _gemm1, _gemm2, _reduce]
         if launch.weight_only:

@@ -159,6 +159,22 @@ def config_file_name(
     return f"E={E},N={I},device_name={device}{quant_suffix(quant_mode, block_shape)}.json"
 
 
+#: Devices that read another device's tables when they have none of their own: the H100 (SXM: the H200's 132 SMs,
+#: 228 KB of shared memory per SM, the same sm_90 tensor cores; less memory bandwidth) takes the H200's. Tiles are
+#: fitted to the device's own shared memory either way (:func:`fit_smem`).
+TABLE_STAND_INS = {"NVIDIA_H100": "NVIDIA_H200"}
+
+
+def table_devices(device: str) -> list[str]:
+    """The device names whose tables serve ``device``, in order: its own, then its stand-in's
+    (:data:`TABLE_STAND_INS`, matched by name prefix)."""
+    names = [device]
+    for prefix, stand_in in TABLE_STAND_INS.items():
+        if device.startswith(prefix) and stand_in != device:
+            names.append(stand_in)
+    return names
+
+
 def source_key() -> tuple:
     """Everything besides the problem that :func:`get_config` depends on: the pinned config (context, then
     process-wide) and ``$FUSEDMOE_CONFIG_DIR``. Caches of values derived from configs key on it."""
@@ -252,10 +268,13 @@ def find_table(
     config_dir: str | None = None,
 ) -> ConfigTable | None:
     """The tuned table for this shape: first match in ``config_dir`` (default $FUSEDMOE_CONFIG_DIR), then the
-    packaged dir. Per-token fp8 falls back to the per-tensor (vLLM ``dtype=fp8_w8a8``) file of the folder."""
-    names = [config_file_name(E, I, device, quant_mode, block_shape)]
-    if quant_mode == "fp8_token":
-        names.append(config_file_name(E, I, device, "fp8_tensor"))
+    packaged dir. Per-token fp8 falls back to the per-tensor (vLLM ``dtype=fp8_w8a8``) file of the folder. In each
+    folder the device's own file comes first, then its stand-in's (:func:`table_devices`)."""
+    names = []
+    for dev in table_devices(device):
+        names.append(config_file_name(E, I, dev, quant_mode, block_shape))
+        if quant_mode == "fp8_token":
+            names.append(config_file_name(E, I, dev, "fp8_tensor"))
     config_dir = os.environ.get(ENV_DIR) if config_dir is None else config_dir
     dirs = [config_dir] if config_dir else []
     dirs.append(str(PACKAGED_DIR))
@@ -283,6 +302,10 @@ def _pow2_at_most(n: int, cap: int) -> int:
 DECODE_ROWS = 1.0
 #: The tuner offers decode-sized blocks up to this many rows per expert (it measures where they stop paying).
 TUNE_DECODE_ROWS = 4
+#: bf16 calls are offered one-row blocks (the slot-order GEMMs, :mod:`fusedmoe.ops.slot_gemm`) up to this many rows
+#: per expert: beyond it, experts hold several rows whose weights a 16-row dot tile reads once and one-row tiles
+#: read once per row.
+SLOT_TUNE_ROWS = 1.0
 
 
 #: From this many tokens the heuristic (like the shipped bf16 tables) runs both GEMMs on a flattened persistent
@@ -535,6 +558,7 @@ __all__ = [
     "pin_config",
     "pinned_config",
     "smem_bytes",
+    "table_devices",
     "source_key",
     "table_to_json",
     "weight_tma",

@@ -30,7 +30,7 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -105,15 +105,15 @@ def failure_reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}" if first else type(err).__name__
 
 
-def block_m_options(M: int, top_k: int, E: int, decode_blocks: bool = False, scaled_k_tiles: bool = False) -> list[int]:
-    """Plausible BLOCK_M values for M tokens: by the average rows per expert (``decode_blocks``: also the
-    decode-sized blocks of the multiply-add K loops, up to TUNE_DECODE_ROWS rows; the quantized dtypes, whose calls at
-    decode read fewer weight bytes than a 16-row dot tile can use; ``scaled_k_tiles``: fp8_block, whose per-K-tile
-    scaling keeps a second accumulator live, so 64-row tiles stay candidates at every M)."""
-    from ..ops.configs import TUNE_DECODE_ROWS
-
+def block_m_options(M: int, top_k: int, E: int, decode_rows: float = 0.0, scaled_k_tiles: bool = False) -> list[int]:
+    """Plausible BLOCK_M values for M tokens: by the average rows per expert (up to ``decode_rows`` of them, also
+    one-row blocks: the multiply-add K loop over the slots in their own order, two launches instead of four; the
+    quantized dtypes offer them up to TUNE_DECODE_ROWS, since their calls at decode read fewer weight bytes than a
+    16-row dot tile can use, bf16 up to SLOT_TUNE_ROWS, where one-row blocks read each expert's weights about once;
+    ``scaled_k_tiles``: fp8_block, whose per-K-tile scaling keeps a second accumulator live, so 64-row tiles stay
+    candidates at every M)."""
     rows = M * top_k / max(E, 1)
-    if decode_blocks and rows <= TUNE_DECODE_ROWS:
+    if rows <= decode_rows:
         return [1, 16]  # (4-row blocks exist but convert layouts every K tile: compile_probe)
     if rows <= 2:
         return [16]
@@ -278,10 +278,12 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def merged_table(path: Path, table: dict, source: str) -> tuple[dict, str]:
-    """(table, source) to write at ``path``: ``table`` over the entries of the file already there (those of the
-    token counts ``table`` does not hold are kept), and a source naming both runs. No file: ``table`` as is."""
-    existing = _read_table(path)
+def merged_table(path: Path, table: dict, source: str, stand_ins: Sequence[Path] = ()) -> tuple[dict, str]:
+    """(table, source) to write at ``path``: ``table`` over the entries of the file already there, else of the first
+    ``stand_ins`` file there is (another device's table that this device reads without one of its own, see
+    ``configs.table_devices``); the entries of the token counts ``table`` does not hold are kept, and the source
+    names both runs. No file: ``table`` as is."""
+    existing = next((e for e in map(_read_table, (path, *stand_ins)) if e is not None), None)
     if existing is None:
         return table, source
     old, old_source, _ = existing
@@ -351,6 +353,14 @@ class Target:
     def block_shape(self):
         return self.quant.block_shape if self.dtype == "fp8_block" else None
 
+    @property
+    def decode_rows(self) -> float:
+        """Rows per expert up to which one-row blocks are candidates (see :func:`block_m_options`); none for the
+        mma-layout MXFP4 weights, whose loop needs 16-row tiles."""
+        from ..ops.configs import SLOT_TUNE_ROWS, TUNE_DECODE_ROWS
+
+        return {"bf16": SLOT_TUNE_ROWS, "mxfp4_mma": 0.0}.get(self.dtype, TUNE_DECODE_ROWS)
+
     def search_space(self, ms, quick: bool) -> dict[int, tuple[list[int], dict, dict]]:
         """Per M: (BLOCK_M options, GEMM1 candidates per BLOCK_M, GEMM2 candidates per BLOCK_M)."""
         fp8 = self.quant is not None and self.quant.fp8
@@ -358,10 +368,7 @@ class Target:
         mma = self.dtype == "mxfp4_mma"
         space = {}
         for M in ms:
-            bms = block_m_options(
-                M, self.k, self.E, decode_blocks=self.dtype not in ("bf16", "mxfp4_mma"),
-                scaled_k_tiles=self.dtype == "fp8_block",
-            )  # fmt: skip
+            bms = block_m_options(M, self.k, self.E, self.decode_rows, scaled_k_tiles=self.dtype == "fp8_block")
             mode = self.quant.kernel_mode if self.quant is not None else None
             t1, t2 = ({bm: _MMA_GEMM1 for bm in bms}, {bm: _MMA_GEMM2 for bm in bms}) if mma else (_GEMM1, _GEMM2)
             c1 = {bm: candidates(t1, bm, fp8, self.I, self.H, bk_cap, quick, mode) for bm in bms}
@@ -512,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         heuristic_config,
         pinned_config,
         smem_bytes,
+        table_devices,
         table_to_json,
     )
     from ..workspace.manager import WorkspaceManager
@@ -534,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         t_start = time.time()
         mode = t.quant.kernel_mode if t.quant else None
-        path = out_dir / config_file_name(t.E, t.I, device_name(), mode, t.block_shape)
+        devices = table_devices(device_name())
+        path = out_dir / config_file_name(t.E, t.I, devices[0], mode, t.block_shape)
         print(f"== {t.preset} {t.dtype}: E={t.E} k={t.k} H={t.H} I={t.I}", flush=True)
         if args.switches:
             existing = _read_table(path)
@@ -584,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"fused call, CUDA graph); {describe_failures(failures)}"
             )
             if args.merge:
-                table, source = merged_table(path, table, source)
+                stand_ins = [out_dir / config_file_name(t.E, t.I, d, mode, t.block_shape) for d in devices[1:]]
+                table, source = merged_table(path, table, source, stand_ins)
             failures_raw = [vars(f) for f in failures]
         switches = measure_switches(table, time_at)
         shown = ", ".join(f"{b}: from {m}" for b, m in sorted(switches.items()))
