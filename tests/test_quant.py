@@ -35,6 +35,24 @@ def test_quantize_weights_shapes_and_roundtrip(mode):
 
 
 @pytest.mark.parametrize("mode", FP8_MODES)
+def test_quantize_weights_by_expert_chunks_matches_all_at_once(mode, monkeypatch):
+    import fusedmoe.quant as quant
+
+    E, I, H = 5, 40, 136
+    w1, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    whole = quantize_weights(w1, w2, mode)
+    monkeypatch.setattr(quant, "_CHUNK_ELEMENTS", 2 * H * I)  # two experts at a time, the last one alone
+    chunked = quantize_weights(w1, w2, mode)
+    for a, b in zip(whole, chunked):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == FP8_DTYPE else a, b.view(torch.uint8) if b.dtype == FP8_DTYPE else b
+        )
+    empty = quantize_weights(w1[:0], w2[:0], mode)
+    assert [t.shape[0] for t in empty] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("mode", FP8_MODES)
 def test_fake_quantize_activation(mode):
     x = torch.randn(6, 300, dtype=torch.float64) * 5
     y = fake_quantize_activation(x, mode)

@@ -9,12 +9,20 @@ import pytest
 import torch
 from devices import TRITON_DEVICES, interpreter
 
+from fusedmoe.ops import slot_gemm
 from fusedmoe.ops.align import align_params, moe_align
 from fusedmoe.ops.configs import GemmConfig, MoEConfig, pinned_config
 from fusedmoe.ops.expert_gemm import Numerics
 from fusedmoe.ops.grouped_gemm import grid_blocks, moe_gemm1, moe_gemm2
 from fusedmoe.ops.reduce import moe_reduce
-from fusedmoe.ops.slot_gemm import moe_gemm1_slots, moe_gemm2_reduce, moe_gemm2_slots, token_reduces
+from fusedmoe.ops.slot_gemm import (
+    MIN_TOKEN_BLOCK_N,
+    moe_gemm1_slots,
+    moe_gemm2_reduce,
+    moe_gemm2_slots,
+    token_reduces,
+    token_tile,
+)
 from fusedmoe.quant import QuantConfig, quantize_weights
 
 ONE_ROW = GemmConfig(1, 16, 32)
@@ -183,6 +191,44 @@ def test_all_tokens_on_one_expert_and_m_zero():
     act = torch.empty(0, I)
     moe_gemm1_slots(x[:0], w1, act, empty, num_experts=E, config=ONE_ROW)
     assert moe_gemm2_reduce(act, w2, out, empty, num_experts=E, config=ONE_ROW).shape == (0, H)
+
+
+@pytest.mark.parametrize("M", [1, 2, 8, 64])
+@pytest.mark.parametrize("sms", [0, 8, 132])
+def test_token_tile_narrows_columns_until_the_programs_cover_the_sms(M, sms):
+    """Narrower only while the programs are fewer than twice the SMs; the tile keeps its elements (K widened as N
+    narrows) until K reaches I rounded up; never below MIN_TOKEN_BLOCK_N columns."""
+    H, I = 2048, 768
+    cfg = GemmConfig(1, 16, 128, num_warps=4)
+    got = token_tile(cfg, M, H, I, sms)
+    programs = M * -(-H // got.block_n)
+    if M * -(-H // cfg.block_n) >= 2 * sms:
+        assert got == cfg
+    else:
+        assert programs >= 2 * sms or got.block_n == MIN_TOKEN_BLOCK_N
+        assert M * -(-H // (2 * got.block_n)) < 2 * sms  # one step less would not have covered them
+        assert got.block_n * got.block_k == cfg.block_n * cfg.block_k and got.block_k <= 1024
+        assert (got.block_m, got.num_warps) == (1, 4)
+    assert token_tile(GemmConfig(1, 16, 32), 1, 64, 24, 132).block_k == 32  # K = 24: no wider than 32
+
+
+@interpreter
+@pytest.mark.parametrize("quant", [None, "fp8_block", "fp8_token"])
+def test_narrowed_token_tile_matches_the_tuned_tile(quant, monkeypatch):
+    """The same output (float32 rounding apart) when the token GEMM2 narrows the tuned tile for a GPU of many SMs,
+    including fp8 128x128 blocks read by K tiles four groups wide (a scale per K row)."""
+    g = torch.Generator().manual_seed(5)
+    M, H, I, E, k = 2, 40, 384, 4, 3
+    w1, w2, n1, n2 = _weights(E, H, I, quant, "cpu", g)
+    ids, tw = _ids(M, k, E, g), torch.rand(M, k, generator=g)
+    act = torch.randn(M * k, I, generator=g)
+    cfg = GemmConfig(1, 16, 128)
+    common = dict(num_experts=E, config=cfg, topk_weights=tw, numerics=n2)
+    want = moe_gemm2_reduce(act, w2, torch.empty(M, H), ids, **common)
+    monkeypatch.setattr(slot_gemm, "_sm_count", lambda device: 64)
+    assert token_tile(cfg, M, H, I, 64).block_k == 512
+    got = moe_gemm2_reduce(act, w2, torch.full((M, H), float("nan")), ids, **common)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_argument_errors_name_the_argument():

@@ -153,6 +153,23 @@ def _expand_blocks(scale: torch.Tensor, n: int, k: int, bn: int, bk: int) -> tor
     return scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
 
 
+#: Elements of expert weights quantized to fp8 at once (1 GiB of float32 temporaries).
+_CHUNK_ELEMENTS = 1 << 28
+
+
+def _fp8_experts(w: torch.Tensor, quant: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weights, float32 scales) of the experts ``w`` [e, N, K] in ``quant``'s fp8 mode."""
+    if quant.mode == "fp8_tensor":
+        scale = _scale_of(w.float().abs().amax(dim=(1, 2)))
+        return _to_fp8(w, scale[:, None, None]), scale
+    if quant.mode == "fp8_token":
+        scale = _scale_of(w.float().abs().amax(dim=2))
+        return _to_fp8(w, scale[:, :, None]), scale
+    bn, bk = quant.block_shape
+    scale = _scale_of(_block_amax(w, bn, bk))
+    return _to_fp8(w, _expand_blocks(scale, w.shape[1], w.shape[2], bn, bk)), scale
+
+
 def quantize_weights(
     w1: torch.Tensor, w2: torch.Tensor, quant: QuantConfig | str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -183,17 +200,11 @@ def quantize_weights(
                 packed = to_mma_layout(*packed, gated=gated)
             out.append(packed)
             continue
-        if quant.mode == "fp8_tensor":
-            scale = _scale_of(w.float().abs().amax(dim=(1, 2)))
-            wq = _to_fp8(w, scale[:, None, None])
-        elif quant.mode == "fp8_token":
-            scale = _scale_of(w.float().abs().amax(dim=2))
-            wq = _to_fp8(w, scale[:, :, None])
-        else:
-            bn, bk = quant.block_shape
-            scale = _scale_of(_block_amax(w, bn, bk))
-            wq = _to_fp8(w, _expand_blocks(scale, w.shape[1], w.shape[2], bn, bk))
-        out.append((wq, scale))
+        # a few experts at a time, so the float32 temporaries stay near _CHUNK_ELEMENTS (the whole DeepSeek-V3
+        # GEMM1 in float32 would take 30 GB)
+        step = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1] * w.shape[2]))
+        parts = [_fp8_experts(w[e : e + step], quant) for e in range(0, max(w.shape[0], 1), step)]
+        out.append(tuple(torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*parts)))
     (w1q, s1), (w2q, s2) = out
     return w1q, w2q, s1, s2
 

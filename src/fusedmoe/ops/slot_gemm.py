@@ -11,7 +11,8 @@ its expert in the top-k ids. The four launches align, GEMM1, GEMM2, reduce becom
   all the token's slots at once ([slots, BLOCK_K, BLOCK_N]) and sums their weighted products over the slots in
   float32 registers, so a program keeps as many loads in flight as the k one-slot programs it replaces; the row is
   stored once, in the output's dtype (GEMM2 and :func:`fusedmoe.ops.reduce.moe_reduce` in one launch). Float and
-  fp8 weights (weight-only: the activations stay float, the fp8 scales multiply the weight tiles).
+  fp8 weights (weight-only: the activations stay float, the fp8 scales multiply the weight tiles). With few
+  tokens it narrows the tile's columns and widens its K (:func:`token_tile`) until its programs cover the SMs.
 
 MXFP4 weights decode words per expert row (``expert_gemm._k_loop_mxfp4_row``): their GEMM2 is
 :func:`moe_gemm2_slots` (one program per slot, the rows into a float32 buffer) followed by the top-k reduce, three
@@ -22,6 +23,9 @@ mma-layout MXFP4 weights need 16-row tiles and are refused.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import replace
 
 import torch
 import triton
@@ -224,8 +228,13 @@ def _token_gemm2(
             if QUANT == 2:
                 w = w * tl.load(ws_base + offs_nw * stride_wsn, mask=local, other=0.0)[None, :]
             if QUANT == 3:
-                s_ptrs = ws_base + (offs_nw // GROUP_N) * stride_wsn + (k0 // GROUP_K) * stride_wsk
-                w = w * tl.load(s_ptrs, mask=local, other=0.0)[None, :]
+                if BLOCK_K <= GROUP_K:  # the tile lies in one scale group along K
+                    s_ptrs = ws_base + (offs_nw // GROUP_N) * stride_wsn + (k0 // GROUP_K) * stride_wsk
+                    w = w * tl.load(s_ptrs, mask=local, other=0.0)[None, :]
+                else:  # a widened tile (token_tile) spans groups: each K row its own (L1-resident) scale
+                    s_ptrs = ws_base + (offs_nw // GROUP_N)[None, :] * stride_wsn
+                    s_ptrs += ((k0 + offs_k) // GROUP_K)[:, None] * stride_wsk
+                    w = w * tl.load(s_ptrs, mask=k_ok[:, None] & local, other=0.0)
             acc += (a * weight) * w
     total = tl.sum(acc, axis=0)
     if HAS_BIAS:  # each local slot's expert bias, times the slot's router weight
@@ -464,7 +473,8 @@ def moe_gemm2_reduce(
 ) -> torch.Tensor:
     """GEMM2 and the top-k reduce: ``out[t] = sum over local slots s of t of (a[s] @ w2[e].T + bias[e]) *
     topk_weights[s]``, summed in float32 and rounded once to ``out``'s dtype; every element written (a token
-    without a local slot gets zeros). One program per token and BLOCK_N columns.
+    without a local slot gets zeros). One program per token and BLOCK_N columns of the tile :func:`token_tile`
+    makes of ``config``.
 
     Args:
         a: [M*k, I] slot-indexed float activations (GEMM1's output); rows of non-local slots are not read.
@@ -485,6 +495,7 @@ def moe_gemm2_reduce(
     if M == 0 or H == 0:
         return out
     ptrs, global_e = _common(a, topk_ids, topk_weights, bias, numerics, expert_map, num_experts, global_num_experts)
+    config = token_tile(config, M, H, I, _sm_count(a.device))
     launch(
         _token_gemm2,
         (M, cdiv(H, config.block_n)),
@@ -513,10 +524,34 @@ def moe_gemm2_reduce(
     return out
 
 
+#: Narrowest BLOCK_N of the token GEMM2 (a multiply-add tile: no tensor-core minimum).
+MIN_TOKEN_BLOCK_N = 4
+
+
+def token_tile(config: GemmConfig, M: int, H: int, I: int, sms: int) -> GemmConfig:
+    """The tile :func:`moe_gemm2_reduce` launches for ``config``: BLOCK_N halved (down to MIN_TOKEN_BLOCK_N) while
+    its M x cdiv(H, BLOCK_N) programs number fewer than twice the ``sms``, BLOCK_K doubled each time (up to I rounded
+    up to a power of two), so a program keeps the tile's elements and registers. One program per token leaves a
+    decode call of a few tokens a fraction of the SMs with the tuned tile (M = 1, H = 2048, BLOCK_N 16: 128
+    programs, one K tile's loads in flight per SM), where the aligned GEMM2 it replaces ran k times as many."""
+    bn, bk = config.block_n, config.block_k
+    k_cap = 1 << max(I - 1, 0).bit_length()
+    while bn > MIN_TOKEN_BLOCK_N and M * cdiv(H, bn) < 2 * sms:
+        bn //= 2
+        bk = min(2 * bk, max(k_cap, config.block_k))
+    return config if bn == config.block_n else replace(config, block_n=bn, block_k=bk)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The GPU's SMs; 0 under the CPU interpreter (the tuned tile as it is)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def token_reduces(mode: str | None) -> bool:
     """Whether GEMM2 of weights in ``mode`` sums each token's slots itself (:func:`moe_gemm2_reduce`): float and
     fp8 weights; MXFP4 weights take :func:`moe_gemm2_slots` and the top-k reduce."""
     return mode is None or mode in ("fp8_tensor", "fp8_token", "fp8_block")
 
 
-__all__ = ["moe_gemm1_slots", "moe_gemm2_reduce", "moe_gemm2_slots", "token_reduces"]
+__all__ = ["moe_gemm1_slots", "moe_gemm2_reduce", "moe_gemm2_slots", "token_reduces", "token_tile"]
