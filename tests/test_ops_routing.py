@@ -3,9 +3,10 @@ takes the kernel, on the CPU the interpreter runs it directly."""
 
 import pytest
 import torch
-from devices import TRITON_DEVICES, interpreter
+import torch.nn.functional as F
+from devices import TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpreter
 
-from fusedmoe.ops.routing import kernel_supports, route_fused
+from fusedmoe.ops.routing import ROUTER_GEMM_MAX_M, kernel_supports, route_fused, router_gemm_applies
 from fusedmoe.routing import ROUTING_PRESETS, route
 
 CASES = {
@@ -121,3 +122,61 @@ def test_kernel_zero_rows(device):
         routed_scaling_factor=1.0,
     )
     assert w.shape == (0, 2) and ids.shape == (0, 2)
+
+
+GEMM_CASES = {  # (case, H): H off BLOCK_H multiples, E padded to 16 columns, non-pow2 E, groups, gpt-oss' router bias
+    "qwen3": ("qwen3", 200),
+    "k-equals-E": ("k-equals-E", 48),
+    "non-pow2-E": ("non-pow2-E", 64),
+    "deepseek-v3": ("deepseek-v3", 96),
+    "gpt-oss": ("gpt-oss", 130),
+}
+
+
+@pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
+@pytest.mark.parametrize("name", sorted(GEMM_CASES))
+@pytest.mark.parametrize("M", [1, 17])
+def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M):
+    """Given the hidden rows and the router's weight (and bias) instead of logits, the launch routes as route() does
+    on ``F.linear``'s logits: same ids, weights within float32 rounding. bf16 logits round to few values, so an
+    equal pair may tie differently in a rare row."""
+    case, H = CASES[GEMM_CASES[name][0]], GEMM_CASES[name][1]
+    E, k, kw = case["E"], case["k"], _kwargs(case)
+    assert router_gemm_applies(M, E, kw["num_expert_groups"], dtype)
+    x = torch.randn(M, H, device=device).to(dtype)
+    gate = (torch.randn(E, H, device=device) * 3 / H**0.5).to(dtype)
+    gate_bias = torch.randn(E, device=device).to(dtype) if name == "gpt-oss" else None
+    bias = torch.randn(E, device=device) * 0.5 if case.get("bias") else None
+    w, ids = route_fused(None, k, correction_bias=bias, hidden=x, gate=gate, gate_bias=gate_bias, **kw)
+    w_ref, ids_ref = route(F.linear(x, gate, gate_bias), k, correction_bias=bias, **kw)
+    same = (ids.sort(dim=1).values == ids_ref.sort(dim=1).values).all(dim=1)
+    assert same.all() if dtype == torch.float32 else same.float().mean() > 0.9
+    order, order_ref = ids[same].argsort(dim=1), ids_ref[same].argsort(dim=1)
+    torch.testing.assert_close(w[same].gather(1, order), w_ref[same].gather(1, order_ref), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_kernel_router_gemm_zero_rows(device):
+    w, ids = route_fused(
+        None,
+        2,
+        scoring="softmax",
+        renormalize=True,
+        num_expert_groups=None,
+        topk_groups=None,
+        correction_bias=None,
+        routed_scaling_factor=1.0,
+        hidden=torch.randn(0, 32, device=device),
+        gate=torch.randn(16, 32, device=device),
+    )
+    assert w.shape == (0, 2) and ids.shape == (0, 2)
+
+
+def test_router_gemm_applies_to_decode_sizes_only():
+    assert router_gemm_applies(1, 128, None, torch.bfloat16)
+    assert router_gemm_applies(ROUTER_GEMM_MAX_M, 256, 8, torch.bfloat16)
+    assert not router_gemm_applies(ROUTER_GEMM_MAX_M + 1, 128, None, torch.bfloat16)
+    assert not router_gemm_applies(1, 512, None, torch.bfloat16)  # the 16-row tile's logits outgrow registers
+    assert not router_gemm_applies(1, 8, 4, torch.bfloat16)  # padding 8 experts to 16 would move the groups
+    assert router_gemm_applies(1, 8, None, torch.float32)
+    assert not router_gemm_applies(1, 128, None, torch.float64)

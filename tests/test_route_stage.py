@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fusedmoe import FusedMoE, WorkspaceManager, fused_moe, route
 from fusedmoe.api import get_kernel
@@ -85,3 +86,51 @@ def test_gpu_the_routing_launch_joins_the_layer_trace():
         "_moe_gemm2",
         "_moe_reduce",
     ]
+
+
+def test_a_decode_call_hands_the_kernel_the_router_weight_instead_of_logits():
+    """Up to ROUTER_GEMM_MAX_M rows without logits, the layer's kernel gets the router's weight and bias and its
+    routing step computes the logits (one F.linear fewer in the layer); above, or given logits, it gets logits."""
+    from fusedmoe.ops.routing import ROUTER_GEMM_MAX_M
+
+    layer = _layer("softmax-renorm", "torch")
+    seen = []
+    real = layer._inputs
+    layer._inputs = lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1]
+    for m, logits in ((1, False), (ROUTER_GEMM_MAX_M, False), (ROUTER_GEMM_MAX_M + 1, False), (1, True)):
+        x = torch.randn(m, H, device=DEV)
+        for _ in range(2):  # the checked call, then the cached verdict's
+            layer(x, router_logits=F.linear(x, layer.gate) if logits else None)
+            got = seen[-1]
+            in_kernel = m <= ROUTER_GEMM_MAX_M and not logits
+            assert (got.router_weight is layer.gate) == in_kernel
+            assert (got.router_logits is None) == in_kernel
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_router_bias_joins_the_logits_the_kernel_computes(backend):
+    """gpt-oss' router has a bias: the routing step adds it (softmax over the chosen logits amplifies any miss)."""
+    layer = _layer("softmax-topk", backend)
+    layer.gate_bias = torch.nn.Parameter(torch.randn(E, device=DEV) * 2)
+    x = torch.randn(3, H, device=DEV)
+    logits = F.linear(x, layer.gate, layer.gate_bias)
+    w, ids = route(logits, K, scoring="softmax_topk")
+    want = fused_moe(x, layer.w1, layer.w2, w, ids, backend=backend)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)  # the cached verdict
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 64, 65])
+def test_gpu_bf16_layer_routes_from_its_own_logits_as_from_given_ones(m):
+    """bf16 on the GPU: the routing launch's logits (float32 accumulation, rounded to bf16 as F.linear's) route the
+    layer as the logits F.linear returns do, replayed calls included; a rare row may break a bf16 tie the other
+    way, so rows are compared, not the whole output."""
+    torch.manual_seed(0)
+    layer = FusedMoE(128, 8, 256, 128, dtype=torch.bfloat16, device="cuda")
+    same = []
+    for _ in range(10):
+        x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+        got, want = layer(x), layer(x, router_logits=F.linear(x, layer.gate))
+        same.append((got == want).all(dim=1))  # the same experts and weights give the same bits
+    assert torch.cat(same).float().mean().item() >= 0.9

@@ -239,12 +239,14 @@ def test_an_h100_reads_the_h200_tables_without_its_own(tmp_path):
 
     assert table_devices("NVIDIA_H100_80GB_HBM3") == ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"]
     assert table_devices("NVIDIA_H200") == ["NVIDIA_H200"] and table_devices("cpu") == ["cpu"]
-    shipped = find_table(128, 768, "NVIDIA_H200")
-    assert shipped is not None and find_table(128, 768, "NVIDIA_H100_80GB_HBM3") == shipped
-    assert find_table(128, 768, "NVIDIA_A100-SXM4-80GB") is None
+    shipped = find_table(128, 1536, "NVIDIA_H200")
+    assert shipped is not None and find_table(128, 1536, "NVIDIA_H100_80GB_HBM3") == shipped
+    assert find_table(128, 1536, "NVIDIA_A100-SXM4-80GB") is None
+    # qwen3-30b-a3b bf16 ships an H100 table of its own
+    assert find_table(128, 768, "NVIDIA_H100_80GB_HBM3") != find_table(128, 768, "NVIDIA_H200")
     own = {1: MoEConfig.simple(1, 16, 128), 64: MoEConfig.simple(16, 64, 64)}
-    (tmp_path / "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3.json").write_text(table_to_json(own, "h100 run"))
-    assert find_table(128, 768, "NVIDIA_H100_80GB_HBM3", config_dir=str(tmp_path)).entries == own
+    (tmp_path / "E=128,N=1536,device_name=NVIDIA_H100_80GB_HBM3.json").write_text(table_to_json(own, "h100 run"))
+    assert find_table(128, 1536, "NVIDIA_H100_80GB_HBM3", config_dir=str(tmp_path)).entries == own
 
 
 # ---- between table entries: measured switch points ----------------------------------------------------------

@@ -35,6 +35,8 @@ def _roots(x: ExpertsInputs) -> tuple[torch.Tensor | None, ...]:
         x.w2_bias,
         x.router_logits,
         x.correction_bias,
+        x.router_weight,
+        x.router_bias,
     )
 
 

@@ -302,18 +302,21 @@ class FusedMoE(nn.Module):
             return None, None
 
     def _run_validated(self, verdict, sig, hidden_states, router_logits) -> torch.Tensor:
-        p, kernel, manager, router = verdict
+        p, kernel, manager, router, gate_in_kernel = verdict
         P = self._parameters
         if torch.is_grad_enabled() and self._wants_grad(hidden_states, router_logits):
             return self._forward_train(hidden_states, router_logits)
         x = hidden_states.reshape(p.M, p.H)
-        if router_logits is None:
-            router_logits = F.linear(x, P["gate"], P["gate_bias"])
-        logits = router_logits.reshape(p.M, self.num_experts)
-        if router is None:  # the kernel routes (a problem with routing)
-            inputs = self._inputs(x, logits=logits)
+        if gate_in_kernel:  # the kernel's routing step computes the logits too
+            inputs = self._inputs(x, gate=True)
         else:
-            inputs = self._inputs(x, *router(logits, self._buffers.get("e_score_correction_bias")))
+            if router_logits is None:
+                router_logits = F.linear(x, P["gate"], P["gate_bias"])
+            logits = router_logits.reshape(p.M, self.num_experts)
+            if router is None:  # the kernel routes (a problem with routing)
+                inputs = self._inputs(x, logits=logits)
+            else:
+                inputs = self._inputs(x, *router(logits, self._buffers.get("e_score_correction_bias")))
         out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
@@ -485,7 +488,10 @@ class FusedMoE(nn.Module):
             p = self.problem(x.shape[0], x.dtype)
             kernel, manager = self._resolve(p, x.device)
             key, sig = self._key(hidden_states, router_logits)
-            if p.routing is not None:  # the kernel routes: its first step turns the logits into the top-k
+            gate_in_kernel = p.routing is not None and router_logits is None and self._gate_in_kernel(p)
+            if gate_in_kernel:  # the kernel routes and computes the logits in the same step
+                inputs, router = self._inputs(x, gate=True), None
+            elif p.routing is not None:  # the kernel routes: its first step turns the logits into the top-k
                 logits = router_logits if router_logits is not None else F.linear(x, self.gate, self.gate_bias)
                 inputs, router = self._inputs(x, logits=logits.reshape(p.M, self.num_experts)), None
             else:
@@ -496,7 +502,7 @@ class FusedMoE(nn.Module):
             if key is not None and (self._parallel is None or self._parallel.static):
                 if len(self._verdicts) > 1024:  # bounded under shape churn
                     self._verdicts.clear()
-                self._verdicts[key] = (p, kernel, manager, router)
+                self._verdicts[key] = (p, kernel, manager, router, gate_in_kernel)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(shape)
@@ -514,9 +520,12 @@ class FusedMoE(nn.Module):
         topk_weights: torch.Tensor | None = None,
         topk_ids: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
+        gate: bool = False,
     ) -> ExpertsInputs:
-        """The kernel's inputs: routed (``topk_*``) or, for a problem with ``routing``, the router logits."""
+        """The kernel's inputs: routed (``topk_*``) or, for a problem with ``routing``, the router logits (or with
+        ``gate``, the router's weight and bias, from which the kernel's routing step computes them)."""
         P, B = self._parameters, self._buffers
+        routes = logits is not None or gate
         return ExpertsInputs(
             x,
             P["w1"],
@@ -529,7 +538,20 @@ class FusedMoE(nn.Module):
             w1_bias=P["w1_bias"],
             w2_bias=P["w2_bias"],
             router_logits=logits,
-            correction_bias=B.get("e_score_correction_bias") if logits is not None else None,
+            correction_bias=B.get("e_score_correction_bias") if routes else None,
+            router_weight=P["gate"] if gate else None,
+            router_bias=P["gate_bias"] if gate else None,
+        )
+
+    def _gate_in_kernel(self, p: MoEProblem) -> bool:
+        """Whether a call of ``p`` (routed in the kernel, no logits given) hands the kernel the router's weight
+        instead of computing the logits here: where the routing launch computes them too
+        (:func:`fusedmoe.ops.routing.router_gemm_applies`), one ``F.linear`` and its launch fewer per call."""
+        from .ops.routing import router_gemm_applies
+
+        gate = self.gate
+        return gate.is_contiguous() and router_gemm_applies(
+            p.M, self.num_experts, self.routing["num_expert_groups"], gate.dtype
         )
 
     @classmethod

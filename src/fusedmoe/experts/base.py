@@ -22,7 +22,9 @@ class ExpertsInputs:
     device (``topk_*`` then belong to finalize).
     ``expert_map``: int32 [global_E] or None. Scales as passed to ``fused_moe``.
     ``router_logits`` [M, E] / ``correction_bias`` [E]: only for a problem with ``routing`` (the kernel routes;
-    ``topk_*`` are then None until its routing step fills them).
+    ``topk_*`` are then None until its routing step fills them). Such a problem may pass the router's
+    ``router_weight`` [E, H] and ``router_bias`` [E] or None instead of the logits: the routing step then computes
+    ``F.linear(hidden_states, router_weight, router_bias)`` itself (on CUDA in its own launch).
     ``preact`` [M*k, 2I]: training's saved GEMM1 output; the Triton experts write their raw GEMM1 accumulators
     into it (by slot) when given. Such calls are not replayed from a trace.
     """
@@ -42,6 +44,8 @@ class ExpertsInputs:
     w2_bias: torch.Tensor | None = None
     router_logits: torch.Tensor | None = None
     correction_bias: torch.Tensor | None = None
+    router_weight: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None
     preact: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor | None]:

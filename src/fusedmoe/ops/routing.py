@@ -50,6 +50,32 @@ def _positive(d):
 
 
 @triton.jit
+def _router_logits(x_ptr, gate_ptr, gate_bias_ptr, rows, cols, row_ok, col_ok, H, stride_xm, stride_ge,
+                   BLOCK_H: tl.constexpr, HAS_GATE_BIAS: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """``F.linear(x, gate, gate_bias)`` of the tile's rows in float32 [ROWS, E_PAD], rounded to x's dtype as that
+    call's output is (float32 accumulation, the bias added before the rounding); rows or columns outside
+    ``row_ok`` / ``col_ok`` are -inf."""
+    offs_h = tl.arange(0, BLOCK_H)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_h[None, :]
+    g_ptrs = gate_ptr + cols.to(tl.int64)[None, :] * stride_ge + offs_h[:, None]
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h_ok = offs_h < H - h0
+        xa = tl.load(x_ptrs, mask=row_ok[:, None] & h_ok[None, :], other=0.0)
+        ga = tl.load(g_ptrs, mask=h_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xa, ga, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xa, ga, acc)
+        x_ptrs += BLOCK_H
+        g_ptrs += BLOCK_H
+    if HAS_GATE_BIAS:
+        acc += tl.load(gate_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(row_ok[:, None] & col_ok[None, :], logits, float("-inf"))
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -59,6 +85,12 @@ def _route_kernel(
     E,
     stride_lm,
     scale,
+    x_ptr,
+    gate_ptr,
+    gate_bias_ptr,
+    H,
+    stride_xm,
+    stride_ge,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
@@ -69,13 +101,21 @@ def _route_kernel(
     GROUPS: tl.constexpr,
     TOPK_GROUPS: tl.constexpr,
     GROUP_RANK_TOP2: tl.constexpr,
+    GEMM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < M
     col_ok = cols < E
-    ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :]
-    x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
+    if GEMM:
+        x = _router_logits(x_ptr, gate_ptr, gate_bias_ptr, rows, cols, row_ok, col_ok, H, stride_xm, stride_ge,
+                           BLOCK_H, HAS_GATE_BIAS, IEEE)  # fmt: skip
+    else:
+        ptrs = logits_ptr + rows.to(tl.int64)[:, None] * stride_lm + cols[None, :]
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=float("-inf")).to(tl.float32)
     neg_inf = float("-inf")
     x = tl.minimum(tl.where(x != x, neg_inf, x), 3.4028234663852886e38)  # NaN -> -inf, +inf -> float32 max
     x_max = tl.max(x, axis=1)
@@ -169,6 +209,14 @@ def _route_kernel(
 ROUTE_ROWS: int | None = None
 ROUTE_WARPS: int | None = None
 
+#: The most rows for which the routing launch also computes the router logits (:func:`router_gemm_applies`). Each
+#: program reads the whole gate matrix, so the fused GEMM saves a launch (and ~15 us of host time around
+#: ``F.linear``) at decode sizes; from a few hundred rows cuBLAS' GEMM is the faster way to the logits.
+ROUTER_GEMM_MAX_M = 64
+#: Rows per program of the fused router GEMM (the tensor cores' smallest M).
+_GEMM_ROWS = 16
+_GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def kernel_supports(E: int, top_k: int, num_expert_groups: int | None) -> bool:
     """Shapes the fused kernel handles (otherwise route() uses torch ops)."""
@@ -180,8 +228,17 @@ def kernel_supports(E: int, top_k: int, num_expert_groups: int | None) -> bool:
     return True
 
 
+def router_gemm_applies(M: int, E: int, num_expert_groups: int | None, dtype: torch.dtype) -> bool:
+    """Whether :func:`route_fused` computes ``F.linear(hidden, gate, gate_bias)`` itself for ``M`` rows of
+    ``dtype`` (the settings already pass :func:`kernel_supports`): up to :data:`ROUTER_GEMM_MAX_M` rows, up to
+    256 experts (the logits of a 16-row tile stay in registers), and a grouped router only with at least 16
+    experts (the tile pads the experts to 16 columns, which would move group boundaries)."""
+    grouped = (num_expert_groups or 1) > 1
+    return M <= ROUTER_GEMM_MAX_M and E <= 256 and dtype in _GEMM_DTYPES and not (grouped and E < 16)
+
+
 def route_fused(
-    router_logits: torch.Tensor,
+    router_logits: torch.Tensor | None,
     top_k: int,
     *,
     scoring: str,
@@ -192,22 +249,38 @@ def route_fused(
     routed_scaling_factor: float,
     weights: torch.Tensor | None = None,
     ids: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated arguments in, (topk_weights float32 [M, k], topk_ids int32 [M, k]) out; one launch.
 
-    ``weights`` / ``ids``: contiguous outputs to write (allocated when None)."""
-    M, E = router_logits.shape
-    dev = router_logits.device
+    ``router_logits`` [M, E], or None with ``hidden`` [M, H] (rows contiguous), ``gate`` [E, H] contiguous of
+    hidden's dtype and ``gate_bias`` [E] or None: the launch then computes the logits ``F.linear(hidden, gate,
+    gate_bias)`` first (for shapes :func:`router_gemm_applies` accepts), rounded to hidden's dtype as that call
+    returns them. ``weights`` / ``ids``: contiguous outputs to write (allocated when None)."""
+    gemm = router_logits is None
+    M, E = (hidden.shape[0], gate.shape[0]) if gemm else router_logits.shape
+    dev = hidden.device if gemm else router_logits.device
     if weights is None:
         weights = torch.empty((M, top_k), dtype=torch.float32, device=dev)
     if ids is None:
         ids = torch.empty((M, top_k), dtype=torch.int32, device=dev)
     if M == 0:
         return weights, ids
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    e_pad = next_pow2(E)
-    rows = ROUTE_ROWS or max(1, min(4, 512 // e_pad))
     groups = num_expert_groups if (num_expert_groups or 1) > 1 else 1
+    if gemm:
+        logits = hidden  # unread: the kernel reads hidden and gate instead
+        e_pad, rows = max(16, next_pow2(E)), _GEMM_ROWS
+        H = hidden.shape[1]
+        block_h = min(128 if e_pad <= 128 else 64, max(16, next_pow2(H)))
+        gemm_args = (hidden, gate, gate_bias if gate_bias is not None else gate, H, hidden.stride(0), gate.stride(0))
+    else:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        e_pad = next_pow2(E)
+        rows = ROUTE_ROWS or max(1, min(4, 512 // e_pad))
+        block_h = 16
+        gemm_args = (logits, logits, logits, 0, 0, 0)
     launch(
         _route_kernel,
         (cdiv(M, rows),),
@@ -219,6 +292,7 @@ def route_fused(
         E,
         logits.stride(0),
         float(routed_scaling_factor),
+        *gemm_args,
         K=top_k,
         K_PAD=next_pow2(top_k),
         E_PAD=e_pad,
@@ -229,6 +303,10 @@ def route_fused(
         GROUPS=groups,
         TOPK_GROUPS=topk_groups or 1,
         GROUP_RANK_TOP2=scoring == "sigmoid" or correction_bias is not None,
+        GEMM=gemm,
+        BLOCK_H=block_h,
+        HAS_GATE_BIAS=gemm and gate_bias is not None,
+        IEEE=gemm and hidden.dtype == torch.float32,
         num_warps=ROUTE_WARPS or 4,
     )
     return weights, ids

@@ -7,6 +7,8 @@ Reported per path and per M:
 - ``FusedMoE.forward`` (routing included) and ``fused_moe`` (routing given), each with trace replay (the
   default) and through Triton's generic launcher (``FUSEDMOE_REPLAY=0``), plus ``fused_moe_op`` (the
   registered op that ``torch.compile`` sees; eager callers pay its dispatch only if they call it);
+- ``FusedMoE.forward`` with its router logits computed both ways, whatever the switch
+  (:data:`fusedmoe.ops.routing.ROUTER_GEMM_MAX_M`) picks: by the routing launch, and by ``F.linear`` before it;
 - the stages of a forward, each timed alone on the same inputs: the checked validation (what a call costs
   without a cached verdict), the verdict lookup (input signature + dict), the router linear, the plan lookup,
   the workspace arena, the output allocation, and every kernel launch of the layer's recorded trace, routing
@@ -24,6 +26,7 @@ Without a GPU the same table runs the torch experts on a small shape (every micr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -38,6 +41,7 @@ from ...kernel import _roots, _stream
 from ...layer import FusedMoE
 from ...op import fused_moe_op
 from ...ops import launcher
+from ...ops import routing as routing_ops
 from ...workspace.manager import WorkspaceManager
 from ..presets import Preset, get_preset
 from . import report
@@ -165,11 +169,28 @@ def _interface_rows(row, preset: str, device, dtype, tokens, backend: str, calls
         row("  fusedmoe_experts_forward (no dispatcher)", backend, M, h(fn))
 
 
+@contextlib.contextmanager
+def _router_gemm_max_m(layer: FusedMoE, most: int):
+    """The layer's calls with :data:`~fusedmoe.ops.routing.ROUTER_GEMM_MAX_M` set to ``most`` (its cached verdicts,
+    which hold the choice, dropped on the way in and out)."""
+    was = routing_ops.ROUTER_GEMM_MAX_M
+    routing_ops.ROUTER_GEMM_MAX_M = most
+    layer._verdicts.clear()
+    try:
+        yield
+    finally:
+        routing_ops.ROUTER_GEMM_MAX_M = was
+        layer._verdicts.clear()
+
+
 def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls) -> None:
     h = lambda fn: host_us(fn, device, calls=calls)  # noqa: E731
     forward = lambda: layer(x)  # noqa: E731
     fwd = h(forward)
     row("FusedMoE.forward", backend, M, fwd, device_us(forward, device))
+    for name, most in (("router GEMM in the routing launch", M), ("logits by F.linear", -1)):
+        with _router_gemm_max_m(layer, most):
+            row(f"FusedMoE.forward ({name})", backend, M, h(forward), device_us(forward, device))
     row("FusedMoE.forward (generic launches)", backend, M, h(_without_replay(forward)))
     logits = F.linear(x, layer.gate)
     w, ids = layer.route(x, logits)
@@ -205,17 +226,17 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
     key, sig = layer._key(x, None)
     stage("verdict lookup", lambda: layer._verdicts.get(layer._key(x, None)[0]), "input signature + dict")
     stage("router linear", lambda: F.linear(x, layer.gate, layer.gate_bias))
-    p, kernel, manager, router = layer._verdicts[key]
+    p, kernel, manager, router, gate_in_kernel = layer._verdicts[key]
     if router is not None:  # routing outside the kernel (parallel layers)
         stage("routing", lambda: router(logits, None))
         inputs = layer._inputs(x, w, ids)
-    else:  # the kernel routes: its routing launch is one of the launches below
-        inputs = layer._inputs(x, logits=logits)
+    else:  # the kernel routes (from the logits, or from the router's weight): one of the launches below
+        inputs = layer._inputs(x, gate=True) if gate_in_kernel else layer._inputs(x, logits=logits)
     stage("plan lookup", lambda: kernel.program(p))
     plan = kernel.program(p)[0].plan
     stage("workspace arena", lambda: manager.arena_for(plan, layer.owner_key))
     stage("output alloc", lambda: torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device))
-    stage("ExpertsInputs", lambda: layer._inputs(x, logits=logits))
+    stage("ExpertsInputs", lambda: layer._inputs(x, gate=gate_in_kernel, logits=None if gate_in_kernel else logits))
     trace = kernel.traces.get((kernel.program(p)[0], sig))
     if isinstance(trace, launcher.Trace):
         out = torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device)
