@@ -142,7 +142,7 @@ def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M):
     equal pair may tie differently in a rare row."""
     case, H = CASES[GEMM_CASES[name][0]], GEMM_CASES[name][1]
     E, k, kw = case["E"], case["k"], _kwargs(case)
-    assert router_gemm_applies(M, E, kw["num_expert_groups"], dtype)
+    assert router_gemm_applies(M, E, H, kw["num_expert_groups"], dtype)
     x = torch.randn(M, H, device=device).to(dtype)
     gate = (torch.randn(E, H, device=device) * 3 / H**0.5).to(dtype)
     gate_bias = torch.randn(E, device=device).to(dtype) if name == "gpt-oss" else None
@@ -172,11 +172,13 @@ def test_kernel_router_gemm_zero_rows(device):
     assert w.shape == (0, 2) and ids.shape == (0, 2)
 
 
-def test_router_gemm_applies_to_decode_sizes_only():
-    assert router_gemm_applies(1, 128, None, torch.bfloat16)
-    assert router_gemm_applies(ROUTER_GEMM_MAX_M, 256, 8, torch.bfloat16)
-    assert not router_gemm_applies(ROUTER_GEMM_MAX_M + 1, 128, None, torch.bfloat16)
-    assert not router_gemm_applies(1, 512, None, torch.bfloat16)  # the 16-row tile's logits outgrow registers
-    assert not router_gemm_applies(1, 8, 4, torch.bfloat16)  # padding 8 experts to 16 would move the groups
-    assert router_gemm_applies(1, 8, None, torch.float32)
-    assert not router_gemm_applies(1, 128, None, torch.float64)
+def test_router_gemm_applies_to_decode_sizes_and_small_gates_only():
+    assert router_gemm_applies(1, 128, 2048, None, torch.bfloat16)  # qwen3-30b-a3b
+    assert router_gemm_applies(ROUTER_GEMM_MAX_M, 256, 1024, 8, torch.bfloat16)
+    assert not router_gemm_applies(ROUTER_GEMM_MAX_M + 1, 128, 2048, None, torch.bfloat16)
+    assert not router_gemm_applies(1, 256, 7168, 8, torch.bfloat16)  # DeepSeek-V3's gate: one program reads 3.7 MB
+    assert not router_gemm_applies(1, 128, 2048, None, torch.float32)  # the same gate in float32: 1 MiB
+    assert not router_gemm_applies(1, 512, 64, None, torch.bfloat16)  # the 16-row tile's logits outgrow registers
+    assert not router_gemm_applies(1, 8, 64, 4, torch.bfloat16)  # padding 8 experts to 16 would move the groups
+    assert router_gemm_applies(1, 8, 64, None, torch.float32)
+    assert not router_gemm_applies(1, 128, 64, None, torch.float64)

@@ -551,7 +551,7 @@ class FusedMoE(nn.Module):
 
         gate = self.gate
         return gate.is_contiguous() and router_gemm_applies(
-            p.M, self.num_experts, self.routing["num_expert_groups"], gate.dtype
+            p.M, *gate.shape, self.routing["num_expert_groups"], gate.dtype
         )
 
     @classmethod

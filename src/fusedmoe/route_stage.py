@@ -37,7 +37,7 @@ def _gemm_in_launch(hidden: torch.Tensor, gate: torch.Tensor, r) -> bool:
     from .ops.routing import router_gemm_applies
 
     return (
-        router_gemm_applies(hidden.shape[0], gate.shape[0], r.num_expert_groups, hidden.dtype)
+        router_gemm_applies(hidden.shape[0], *gate.shape, r.num_expert_groups, hidden.dtype)
         and gate.dtype == hidden.dtype
         and hidden.stride(1) == 1
         and gate.is_contiguous()

@@ -213,6 +213,10 @@ ROUTE_WARPS: int | None = None
 #: program reads the whole gate matrix, so the fused GEMM saves a launch (and ~15 us of host time around
 #: ``F.linear``) at decode sizes; from a few hundred rows cuBLAS' GEMM is the faster way to the logits.
 ROUTER_GEMM_MAX_M = 64
+#: The largest gate matrix (bytes) the routing launch reads for its logits: one program streams all of it, at a
+#: single SM's read rate (~0.15-0.2 TB/s), where cuBLAS spreads it over many; 512 KiB is qwen3-30b-a3b's
+#: (128 x 2048 bf16), DeepSeek-V3's (256 x 7168) is 7x that.
+ROUTER_GEMM_MAX_BYTES = 1 << 19
 #: Rows per program of the fused router GEMM (the tensor cores' smallest M).
 _GEMM_ROWS = 16
 _GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -228,13 +232,16 @@ def kernel_supports(E: int, top_k: int, num_expert_groups: int | None) -> bool:
     return True
 
 
-def router_gemm_applies(M: int, E: int, num_expert_groups: int | None, dtype: torch.dtype) -> bool:
+def router_gemm_applies(M: int, E: int, H: int, num_expert_groups: int | None, dtype: torch.dtype) -> bool:
     """Whether :func:`route_fused` computes ``F.linear(hidden, gate, gate_bias)`` itself for ``M`` rows of
-    ``dtype`` (the settings already pass :func:`kernel_supports`): up to :data:`ROUTER_GEMM_MAX_M` rows, up to
-    256 experts (the logits of a 16-row tile stay in registers), and a grouped router only with at least 16
-    experts (the tile pads the experts to 16 columns, which would move group boundaries)."""
+    ``dtype`` and a gate [E, H] (the settings already pass :func:`kernel_supports`): up to
+    :data:`ROUTER_GEMM_MAX_M` rows, a gate of up to :data:`ROUTER_GEMM_MAX_BYTES`, up to 256 experts (the logits
+    of a 16-row tile stay in registers), and a grouped router only with at least 16 experts (the tile pads the
+    experts to 16 columns, which would move group boundaries)."""
     grouped = (num_expert_groups or 1) > 1
-    return M <= ROUTER_GEMM_MAX_M and E <= 256 and dtype in _GEMM_DTYPES and not (grouped and E < 16)
+    if dtype not in _GEMM_DTYPES or M > ROUTER_GEMM_MAX_M or E > 256 or (grouped and E < 16):
+        return False
+    return E * H * dtype.itemsize <= ROUTER_GEMM_MAX_BYTES
 
 
 def route_fused(
