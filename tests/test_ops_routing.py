@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from devices import TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpreter
 
-from fusedmoe.ops.routing import ROUTER_GEMM_MAX_M, kernel_supports, route_fused, router_gemm_applies
+from fusedmoe.ops import routing as routing_ops
+from fusedmoe.ops.routing import kernel_supports, route_fused, router_gemm_applies
 from fusedmoe.routing import ROUTING_PRESETS, route
 
 CASES = {
@@ -136,12 +137,13 @@ GEMM_CASES = {  # (case, H): H off BLOCK_H multiples, E padded to 16 columns, no
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize("name", sorted(GEMM_CASES))
 @pytest.mark.parametrize("M", [1, 17])
-def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M):
+def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M, monkeypatch):
     """Given the hidden rows and the router's weight (and bias) instead of logits, the launch routes as route() does
     on ``F.linear``'s logits: same ids, weights within float32 rounding. bf16 logits round to few values, so an
     equal pair may tie differently in a rare row."""
     case, H = CASES[GEMM_CASES[name][0]], GEMM_CASES[name][1]
     E, k, kw = case["E"], case["k"], _kwargs(case)
+    monkeypatch.setattr(routing_ops, "ROUTER_GEMM_MAX_M", 64)
     assert router_gemm_applies(M, E, H, kw["num_expert_groups"], dtype)
     x = torch.randn(M, H, device=device).to(dtype)
     gate = (torch.randn(E, H, device=device) * 3 / H**0.5).to(dtype)
@@ -172,13 +174,19 @@ def test_kernel_router_gemm_zero_rows(device):
     assert w.shape == (0, 2) and ids.shape == (0, 2)
 
 
-def test_router_gemm_applies_to_decode_sizes_and_small_gates_only():
+def test_router_gemm_applies_to_decode_sizes_and_small_gates_only(monkeypatch):
+    monkeypatch.setattr(routing_ops, "ROUTER_GEMM_MAX_M", 64)
     assert router_gemm_applies(1, 128, 2048, None, torch.bfloat16)  # qwen3-30b-a3b
-    assert router_gemm_applies(ROUTER_GEMM_MAX_M, 256, 1024, 8, torch.bfloat16)
-    assert not router_gemm_applies(ROUTER_GEMM_MAX_M + 1, 128, 2048, None, torch.bfloat16)
+    assert router_gemm_applies(64, 256, 1024, 8, torch.bfloat16)
+    assert not router_gemm_applies(65, 128, 2048, None, torch.bfloat16)
     assert not router_gemm_applies(1, 256, 7168, 8, torch.bfloat16)  # DeepSeek-V3's gate: one program reads 3.7 MB
     assert not router_gemm_applies(1, 128, 2048, None, torch.float32)  # the same gate in float32: 1 MiB
     assert not router_gemm_applies(1, 512, 64, None, torch.bfloat16)  # the 16-row tile's logits outgrow registers
     assert not router_gemm_applies(1, 8, 64, 4, torch.bfloat16)  # padding 8 experts to 16 would move the groups
     assert router_gemm_applies(1, 8, 64, None, torch.float32)
     assert not router_gemm_applies(1, 128, 64, None, torch.float64)
+
+
+def test_router_gemm_is_off_by_default():
+    """Off until the switch is measured on a GPU (ROUTER_GEMM_MAX_M's comment): no row count takes it."""
+    assert routing_ops.ROUTER_GEMM_MAX_M == 0 and not router_gemm_applies(1, 128, 2048, None, torch.bfloat16)

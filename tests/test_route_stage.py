@@ -56,7 +56,12 @@ def test_the_routed_buffers_live_from_the_first_step_to_the_last_expert_step():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("poison", [False, True])
-def test_routing_in_the_kernel_equals_routing_outside(family, backend, poison):
+@pytest.mark.parametrize("router_gemm", [False, True])
+def test_routing_in_the_kernel_equals_routing_outside(family, backend, poison, router_gemm, monkeypatch):
+    if router_gemm:  # the kernel's routing step computes the logits from the router's weight
+        from fusedmoe.ops import routing
+
+        monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
     mgr = WorkspaceManager(DEV, poison=poison)
     layer = _layer(family, backend, mgr)
     settings = {k: v for k, v in FAMILIES[family].items() if k != "correction_bias"}
@@ -88,11 +93,19 @@ def test_gpu_the_routing_launch_joins_the_layer_trace():
     ]
 
 
-def test_a_decode_call_hands_the_kernel_the_router_weight_instead_of_logits():
+@pytest.fixture
+def router_gemm_to_64(monkeypatch):
+    """The routing launch computes the logits up to 64 rows (off by default: ROUTER_GEMM_MAX_M)."""
+    from fusedmoe.ops import routing
+
+    monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
+    return 64
+
+
+def test_a_decode_call_hands_the_kernel_the_router_weight_instead_of_logits(router_gemm_to_64):
     """Up to ROUTER_GEMM_MAX_M rows without logits, the layer's kernel gets the router's weight and bias and its
     routing step computes the logits (one F.linear fewer in the layer); above, or given logits, it gets logits."""
-    from fusedmoe.ops.routing import ROUTER_GEMM_MAX_M
-
+    ROUTER_GEMM_MAX_M = router_gemm_to_64
     layer = _layer("softmax-renorm", "torch")
     seen = []
     real = layer._inputs
@@ -108,7 +121,7 @@ def test_a_decode_call_hands_the_kernel_the_router_weight_instead_of_logits():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_the_router_bias_joins_the_logits_the_kernel_computes(backend):
+def test_the_router_bias_joins_the_logits_the_kernel_computes(backend, router_gemm_to_64):
     """gpt-oss' router has a bias: the routing step adds it (softmax over the chosen logits amplifies any miss)."""
     layer = _layer("softmax-topk", backend)
     layer.gate_bias = torch.nn.Parameter(torch.randn(E, device=DEV) * 2)
@@ -122,7 +135,7 @@ def test_the_router_bias_joins_the_logits_the_kernel_computes(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 64, 65])
-def test_gpu_bf16_layer_routes_from_its_own_logits_as_from_given_ones(m):
+def test_gpu_bf16_layer_routes_from_its_own_logits_as_from_given_ones(m, router_gemm_to_64):
     """bf16 on the GPU: the routing launch's logits (float32 accumulation, rounded to bf16 as F.linear's) route the
     layer as the logits F.linear returns do, replayed calls included; a rare row may break a bf16 tie the other
     way, so rows are compared, not the whole output."""

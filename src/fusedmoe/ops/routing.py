@@ -211,8 +211,9 @@ ROUTE_WARPS: int | None = None
 
 #: The most rows for which the routing launch also computes the router logits (:func:`router_gemm_applies`). Each
 #: program reads the whole gate matrix, so the fused GEMM saves a launch (and ~15 us of host time around
-#: ``F.linear``) at decode sizes; from a few hundred rows cuBLAS' GEMM is the faster way to the logits.
-ROUTER_GEMM_MAX_M = 64
+#: ``F.linear``) at decode sizes; from a few hundred rows cuBLAS' GEMM is the faster way to the logits. 0 (off)
+#: until the switch is measured on a GPU: ``fusedmoe bench host`` times the layer both ways at every M.
+ROUTER_GEMM_MAX_M = 0
 #: The largest gate matrix (bytes) the routing launch reads for its logits: one program streams all of it, at a
 #: single SM's read rate (~0.15-0.2 TB/s), where cuBLAS spreads it over many; 512 KiB is qwen3-30b-a3b's
 #: (128 x 2048 bf16), DeepSeek-V3's (256 x 7168) is 7x that.
