@@ -306,3 +306,24 @@ def test_patched_router_runs_only_while_observed():
         assert forward.call_count == model.config.num_hidden_layers == len(out.router_logits)
         _logits(model, ids)
         assert forward.call_count == model.config.num_hidden_layers
+
+
+def test_the_experts_verdict_key_reads_hidden_act_from_any_config_object():
+    """The interface's verdict key reads ``config.hidden_act`` past transformers' slow attribute hook, and still
+    from a config without an instance dict or without the attribute."""
+    from types import SimpleNamespace
+
+    from fusedmoe.integrations.hf import _hidden_act_of
+
+    class Slots:
+        __slots__ = ("hidden_act",)
+
+    slots = Slots()
+    slots.hidden_act = "gelu"
+    module = torch.nn.Module()
+    assert _hidden_act_of(module) is None
+    for config, want in ((SimpleNamespace(hidden_act="silu"), "silu"), (slots, "gelu"), (SimpleNamespace(), None)):
+        module.config = config
+        assert _hidden_act_of(module) == want
+    module.config = tiny_model("qwen3_moe", hidden_act="gelu").config
+    assert _hidden_act_of(module) == "gelu"

@@ -348,7 +348,10 @@ def _hidden_act_of(experts: nn.Module):
     config = experts.__dict__.get("config")
     if config is None:
         return None
-    own = object.__getattribute__(config, "__dict__")
+    try:
+        own = object.__getattribute__(config, "__dict__")
+    except AttributeError:  # a config object without an instance dict (slots)
+        own = {}
     return own["hidden_act"] if "hidden_act" in own else getattr(config, "hidden_act", None)
 
 
