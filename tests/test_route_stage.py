@@ -31,6 +31,15 @@ FAMILIES = {
 }
 
 
+@pytest.fixture
+def router_gemm_to_64(monkeypatch):
+    """The routing launch computes the logits up to 64 rows (off by default: ROUTER_GEMM_MAX_M)."""
+    from fusedmoe.ops import routing
+
+    monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
+    return 64
+
+
 def _layer(family: str, backend: str, workspace=None) -> FusedMoE:
     torch.manual_seed(0)
     layer = FusedMoE(
@@ -57,11 +66,9 @@ def test_the_routed_buffers_live_from_the_first_step_to_the_last_expert_step():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("poison", [False, True])
 @pytest.mark.parametrize("router_gemm", [False, True])
-def test_routing_in_the_kernel_equals_routing_outside(family, backend, poison, router_gemm, monkeypatch):
+def test_routing_in_the_kernel_equals_routing_outside(family, backend, poison, router_gemm, request):
     if router_gemm:  # the kernel's routing step computes the logits from the router's weight
-        from fusedmoe.ops import routing
-
-        monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
+        request.getfixturevalue("router_gemm_to_64")
     mgr = WorkspaceManager(DEV, poison=poison)
     layer = _layer(family, backend, mgr)
     settings = {k: v for k, v in FAMILIES[family].items() if k != "correction_bias"}
@@ -91,15 +98,6 @@ def test_gpu_the_routing_launch_joins_the_layer_trace():
         "_moe_gemm2",
         "_moe_reduce",
     ]
-
-
-@pytest.fixture
-def router_gemm_to_64(monkeypatch):
-    """The routing launch computes the logits up to 64 rows (off by default: ROUTER_GEMM_MAX_M)."""
-    from fusedmoe.ops import routing
-
-    monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
-    return 64
 
 
 def test_a_decode_call_hands_the_kernel_the_router_weight_instead_of_logits(router_gemm_to_64):

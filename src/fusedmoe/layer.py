@@ -17,6 +17,7 @@ from .ops.launcher import UNSEEN, Replays
 from .problem import MoEProblem, Routing
 from .quant import QuantConfig, quantize_weights, quantized_layout
 from .reference import activation_reference
+from .route_stage import gate_in_launch
 from .routing import fused_routing_applies, route
 from .signature import input_signature
 from .workspace.manager import WorkspaceManager, current_stream, default_manager
@@ -488,7 +489,8 @@ class FusedMoE(nn.Module):
             p = self.problem(x.shape[0], x.dtype)
             kernel, manager = self._resolve(p, x.device)
             key, sig = self._key(hidden_states, router_logits)
-            gate_in_kernel = p.routing is not None and router_logits is None and self._gate_in_kernel(p)
+            # the kernel's routing launch computes the logits too (one F.linear and its launch fewer per call)
+            gate_in_kernel = p.routing is not None and router_logits is None and gate_in_launch(x, self.gate, p.routing)
             if gate_in_kernel:  # the kernel routes and computes the logits in the same step
                 inputs, router = self._inputs(x, gate=True), None
             elif p.routing is not None:  # the kernel routes: its first step turns the logits into the top-k
@@ -541,17 +543,6 @@ class FusedMoE(nn.Module):
             correction_bias=B.get("e_score_correction_bias") if routes else None,
             router_weight=P["gate"] if gate else None,
             router_bias=P["gate_bias"] if gate else None,
-        )
-
-    def _gate_in_kernel(self, p: MoEProblem) -> bool:
-        """Whether a call of ``p`` (routed in the kernel, no logits given) hands the kernel the router's weight
-        instead of computing the logits here: where the routing launch computes them too
-        (:func:`fusedmoe.ops.routing.router_gemm_applies`), one ``F.linear`` and its launch fewer per call."""
-        from .ops.routing import router_gemm_applies
-
-        gate = self.gate
-        return gate.is_contiguous() and router_gemm_applies(
-            p.M, *gate.shape, self.routing["num_expert_groups"], gate.dtype
         )
 
     @classmethod

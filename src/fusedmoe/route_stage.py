@@ -32,8 +32,10 @@ def route_buffers(p: MoEProblem) -> list[BufferSpec]:
     ]
 
 
-def _gemm_in_launch(hidden: torch.Tensor, gate: torch.Tensor, r) -> bool:
-    """Whether the routing launch can compute ``hidden``'s logits with ``gate`` itself."""
+def gate_in_launch(hidden: torch.Tensor, gate: torch.Tensor, r) -> bool:
+    """Whether the routing launch can compute ``hidden``'s logits with ``gate`` itself (``r``: the problem's
+    :class:`~fusedmoe.problem.Routing`): what a layer checks before handing its kernel the router's weight, and
+    the routing step again before it relies on that."""
     from .ops.routing import router_gemm_applies
 
     return (
@@ -50,7 +52,7 @@ def route_step(c, topk_weights, topk_ids):
     logits, kw, hidden = x.router_logits, r.kwargs(), x.hidden_states
     E = logits.shape[1] if logits is not None else x.router_weight.shape[0]
     fused = hidden.is_cuda and fused_routing_applies(E, k, r.num_expert_groups, r.topk_groups)
-    if logits is None and not (fused and _gemm_in_launch(hidden, x.router_weight, r)):
+    if logits is None and not (fused and gate_in_launch(hidden, x.router_weight, r)):
         logits = F.linear(hidden, x.router_weight, x.router_bias)
     if fused:
         from .ops.routing import route_fused
@@ -64,4 +66,4 @@ def route_step(c, topk_weights, topk_ids):
     c.prepared = replace(c.prepared, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-__all__ = ["ROUTED", "route_buffers", "route_step"]
+__all__ = ["ROUTED", "gate_in_launch", "route_buffers", "route_step"]
