@@ -145,3 +145,26 @@ def test_gpu_bf16_layer_routes_from_its_own_logits_as_from_given_ones(m, router_
         got, want = layer(x), layer(x, router_logits=F.linear(x, layer.gate))
         same.append((got == want).all(dim=1))  # the same experts and weights give the same bits
     assert torch.cat(same).float().mean().item() >= 0.9
+
+
+@pytest.mark.gpu
+def test_gpu_layer_switching_the_router_gemm_never_replays_the_other_choices_launches(monkeypatch):
+    """The same layer and input signature, once with the logits by F.linear and once with the router GEMM in the
+    routing launch: each choice records its own launches (they take different inputs), so flipping
+    ROUTER_GEMM_MAX_M between calls neither crashes a replay nor changes the rows' experts."""
+    from fusedmoe.ops import routing
+
+    torch.manual_seed(0)
+    layer = FusedMoE(128, 8, 256, 128, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for most in (0, 64, 0, 64):  # each choice twice: recorded, then replayed
+        monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", most)
+        layer._verdicts.clear()
+        outs.append([layer(x), layer(x)])
+    assert layer._verdicts[next(iter(layer._verdicts))][4]  # the last calls computed the logits in the launch
+    for a, b in outs:
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][0], outs[2][1], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1][0], outs[3][1], rtol=0, atol=0)
+    assert (outs[0][0] == outs[1][0]).all(dim=1).float().mean().item() >= 0.75

@@ -303,7 +303,7 @@ class FusedMoE(nn.Module):
             return None, None
 
     def _run_validated(self, verdict, sig, hidden_states, router_logits) -> torch.Tensor:
-        p, kernel, manager, router, gate_in_kernel = verdict
+        p, kernel, manager, router, gate_in_kernel, layout = verdict
         P = self._parameters
         if torch.is_grad_enabled() and self._wants_grad(hidden_states, router_logits):
             return self._forward_train(hidden_states, router_logits)
@@ -318,7 +318,7 @@ class FusedMoE(nn.Module):
                 inputs = self._inputs(x, logits=logits)
             else:
                 inputs = self._inputs(x, *router(logits, self._buffers.get("e_score_correction_bias")))
-        out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
+        out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=layout)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(hidden_states.shape)
@@ -500,11 +500,14 @@ class FusedMoE(nn.Module):
                 topk_weights, topk_ids = self.route(x, router_logits)
                 inputs = self._inputs(x, topk_weights, topk_ids)
                 router = self._router(router_logits if router_logits is not None else x)
-            out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=sig)
+            # the kernel's recorded launches depend on which inputs it gets (the logits, or the router's weight):
+            # one layout per choice, so a changed ROUTER_GEMM_MAX_M never replays the other choice's trace
+            layout = None if sig is None else (sig, gate_in_kernel)
+            out = kernel(inputs, p, manager=manager, owner=self.owner_key, layout_key=layout)
             if key is not None and (self._parallel is None or self._parallel.static):
                 if len(self._verdicts) > 1024:  # bounded under shape churn
                     self._verdicts.clear()
-                self._verdicts[key] = (p, kernel, manager, router, gate_in_kernel)
+                self._verdicts[key] = (p, kernel, manager, router, gate_in_kernel, layout)
         if self.num_shared_experts:
             out = out + self.shared_experts(x)
         return out.view(shape)

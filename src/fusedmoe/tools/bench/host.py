@@ -225,10 +225,10 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
         ),
         "per call without a verdict",
     )
-    key, sig = layer._key(x, None)
+    key, _ = layer._key(x, None)
     stage("verdict lookup", lambda: layer._verdicts.get(layer._key(x, None)[0]), "input signature + dict")
     stage("router linear", lambda: F.linear(x, layer.gate, layer.gate_bias))
-    p, kernel, manager, router, gate_in_kernel = layer._verdicts[key]
+    p, kernel, manager, router, gate_in_kernel, layout = layer._verdicts[key]
     if router is not None:  # routing outside the kernel (parallel layers)
         stage("routing", lambda: router(logits, None))
         inputs = layer._inputs(x, w, ids)
@@ -239,7 +239,7 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
     stage("workspace arena", lambda: manager.arena_for(plan, layer.owner_key))
     stage("output alloc", lambda: torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device))
     stage("ExpertsInputs", lambda: layer._inputs(x, gate=gate_in_kernel, logits=None if gate_in_kernel else logits))
-    trace = kernel.traces.get((kernel.program(p)[0], sig))
+    trace = kernel.traces.get((kernel.program(p)[0], layout))
     if isinstance(trace, launcher.Trace):
         out = torch.empty((M, x.shape[1]), dtype=x.dtype, device=x.device)
         arena = manager.arena_for(plan, layer.owner_key)
@@ -251,7 +251,7 @@ def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, d
             row(f"  launch {name}", backend, M, us)
         row("  raw launches (sum)", backend, M, raw, None, f"forward / raw = {fwd / raw:.2f}")
     else:
-        row("  launches", backend, M, None, None, kernel.traces.reason((kernel.program(p)[0], sig)) or "")
+        row("  launches", backend, M, None, None, kernel.traces.reason((kernel.program(p)[0], layout)) or "")
 
 
 def _batched_rows(row, pr, device, dtype, tokens, calls) -> None:
