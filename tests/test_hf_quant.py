@@ -184,21 +184,26 @@ def test_what_quantize_experts_refuses_names_the_module():
 
 
 def test_biases_are_the_modules_own_and_requires_grad_survives(gpt_oss_checkpoint):
-    """The quantized path reads the module's bias parameters on every call (a bias changed after quantizing
-    takes effect, as in transformers' own experts); dequantize_experts gives back requires_grad."""
+    """The quantized path computes with the module's bias parameters as they are at each call (a bias changed
+    in place after a call, when gpt-oss's re-ordered copy is kept, takes effect, as in transformers' own experts);
+    dequantize_experts gives back requires_grad and drops the copy."""
     model = _load(gpt_oss_checkpoint)
     model.model.layers[0].mlp.experts.down_proj.requires_grad_(False)
     flags = [(e.gate_up_proj.requires_grad, e.down_proj.requires_grad) for e in hf.experts_modules(model)]
     ids = prompt()
     quantize_experts(model, "mxfp4")
     hf.attach_workspace(model, backend="torch")
+    before = _logits(model, ids)  # keeps each module's re-ordered gate_up_proj_bias
+    assert all(hasattr(e, "_fusedmoe_gate_then_up_bias") for e in hf.experts_modules(model))
     with torch.no_grad():
         for experts in hf.experts_modules(model):
             experts.gate_up_proj_bias.zero_()
             experts.down_proj_bias.mul_(-1)
     got = _logits(model, ids)
+    assert relative_error(got, before) > 1e-3  # the changed biases took effect
     dequantize_experts(model)
     assert [(e.gate_up_proj.requires_grad, e.down_proj.requires_grad) for e in hf.experts_modules(model)] == flags
+    assert not any(hasattr(e, "_fusedmoe_gate_then_up_bias") for e in hf.experts_modules(model))
     model.set_experts_implementation("eager")  # transformers' own experts, with the changed biases
     assert relative_error(got, _logits(model, ids)) < 1e-5
 
@@ -218,3 +223,19 @@ def test_a_failure_half_way_leaves_the_model_as_it_was(monkeypatch):
     for experts, (gate_up, down) in zip(hf.experts_modules(model), before):
         assert not is_quantized(experts) and not hasattr(experts, "fusedmoe_w1")
         assert experts.gate_up_proj is gate_up and experts.down_proj is down
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_quantized_experts_take_routing_weights_in_any_float_dtype(gpt_oss_checkpoint, device):
+    """Routing weights reach the quantized kernels in the dtype transformers passes (no cast per call): bf16
+    weights give what the same values in float32 give."""
+    model = _load(gpt_oss_checkpoint).to(device)
+    quantize_experts(model, "mxfp4")
+    hf.attach_workspace(model, backend="triton")  # the CPU interpreter runs the kernels on the CPU
+    experts = hf.experts_modules(model)[0]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(5, model.config.hidden_size, generator=g, device=device)
+    ids = torch.randint(0, model.config.num_local_experts, (5, 2), generator=g, device=device)
+    w = torch.rand(5, 2, generator=g, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(experts(x, ids, w), experts(x, ids, w.float()), rtol=0, atol=0)

@@ -503,7 +503,7 @@ def fusedmoe_fp8_experts_forward(
         hidden_states,
         self.gate_up_proj.detach(),  # quantized weights and their scales take no gradient
         self.down_proj.detach(),
-        top_k_weights.float(),
+        top_k_weights,  # in transformers' dtype, as above
         top_k_index,
         activation=activation,
         quant=QuantConfig("fp8_block", block_shape=tuple(self.block_size)),

@@ -27,6 +27,7 @@ from ..quant import QuantConfig, dequantize_weight, quantize_weights, quantized_
 from . import hf
 from .convert import fused_to_gpt_oss, gpt_oss_to_fused
 from .hf_quantized import (
+    _BIAS_CACHE_ATTR,
     _BUFFERS,
     QUANTIZED_ATTR,
     _biases,
@@ -171,6 +172,7 @@ def _quantize_module(experts: nn.Module, q: QuantConfig) -> None:
     experts.__dict__[QUANTIZED_ATTR] = q
     experts.__dict__.pop(hf._CACHE_ATTR, None)  # gpt-oss's converted float copy, if inference made one
     experts.__dict__.pop("_fusedmoe_verdicts", None)
+    experts.__dict__.pop(_BIAS_CACHE_ATTR, None)
 
 
 def dequantize_experts(model: nn.Module) -> int:
@@ -206,5 +208,5 @@ def _unquantize_module(experts: nn.Module) -> None:
         experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=grads[1])
     for name in _BUFFERS:
         delattr(experts, name)
-    for attr in (QUANTIZED_ATTR, _GRAD_FLAGS_ATTR, "_fusedmoe_verdicts"):
+    for attr in (QUANTIZED_ATTR, _GRAD_FLAGS_ATTR, "_fusedmoe_verdicts", _BIAS_CACHE_ATTR):
         experts.__dict__.pop(attr, None)

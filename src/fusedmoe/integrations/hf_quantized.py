@@ -31,12 +31,28 @@ def is_quantized(experts: nn.Module) -> bool:
     return experts.__dict__.get(QUANTIZED_ATTR) is not None
 
 
+#: Attribute of a quantized gpt-oss experts module: (source key, its gate_up_proj_bias in fusedmoe's order).
+_BIAS_CACHE_ATTR = "_fusedmoe_gate_then_up_bias"
+
+
 def _biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The module's own bias parameters in fusedmoe's layout (gpt-oss's gate/up interleave undone), per call."""
+    """The module's own bias parameters in fusedmoe's layout. gpt-oss's gate/up interleave is undone once and kept
+    (remade when the bias's storage, version, dtype or device changes), not by a torch op per call; while autograd
+    records and the bias requires grad, or while compiling, it is undone in the call's own ops."""
     if not getattr(experts, "has_bias", False):
         return None, None
     b1, b2 = experts.gate_up_proj_bias, experts.down_proj_bias
-    return (gate_then_up(b1) if getattr(experts, "is_transposed", False) else b1), b2
+    if not getattr(experts, "is_transposed", False):
+        return b1, b2
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and b1.requires_grad):
+        return gate_then_up(b1), b2
+    key = (b1.data_ptr(), b1._version, b1.dtype, b1.device, b1.shape)
+    cached = experts.__dict__.get(_BIAS_CACHE_ATTR)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, gate_then_up(b1).contiguous())
+        experts.__dict__[_BIAS_CACHE_ATTR] = cached
+    return cached[1], b2
 
 
 def _quantized_tensors(experts: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -69,7 +85,7 @@ def run_quantized_experts(
         hidden_states,
         w1,
         w2,
-        top_k_weights.float(),
+        top_k_weights,  # in transformers' dtype: the kernels read any float dtype and compute in float32
         top_k_index,
         activation=_activation_of(experts),
         quant=q,
