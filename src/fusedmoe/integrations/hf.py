@@ -464,17 +464,58 @@ def fp8_experts_unsupported(experts: nn.Module) -> str | None:
     if tuple(s.shape) != (E, -(-two_i // bn), -(-H // bk)):
         return f"gate_up_proj_scale_inv {list(s.shape)} is not one scale per {bn}x{bk} block of {list(w.shape)}"
     alpha = getattr(experts, "swiglu_alpha", None)
-    if alpha is not None and (alpha, experts.swiglu_limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
-        return f"swiglu alpha={alpha}, limit={experts.swiglu_limit} differ from fusedmoe's swigluoai"
-    if alpha is None and getattr(experts, "limit", None) is not None:
+    limit = getattr(experts, "limit", None)  # the clamp FP8Experts applies (swiglu_limit in earlier transformers)
+    if limit is None:
+        limit = getattr(experts, "swiglu_limit", None)
+    if alpha is not None and (alpha, limit) != (SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT):
+        return f"swiglu alpha={alpha}, limit={limit} differ from fusedmoe's swigluoai"
+    if alpha is None and limit is not None:
         # FP8Experts clamps gate and up at swiglu_limit before the activation (GLM-5-Next, HY-V4, DeepSeek-V4)
-        return f"a gate and up clamped at swiglu_limit={experts.limit} without swiglu_alpha are not supported"
+        return f"a gate and up clamped at swiglu_limit={limit} without swiglu_alpha are not supported"
     if alpha is None:
         try:
             _module_activation(experts)
         except NotImplementedError as err:
             return str(err)
     return None
+
+
+#: The FP8Experts tensors and plain settings a verdict (:func:`_fp8_verdict`) depends on.
+_FP8_TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+_FP8_SETTINGS = ("has_gate", "has_bias", "_is_expert_parallel", "activation_scheme", "gate_softcap", "block_size")
+_FP8_SETTINGS += ("swiglu_alpha", "swiglu_limit", "limit", "limit_after_act")
+
+
+def _fp8_verdict(experts: nn.Module, dtype: torch.dtype) -> tuple[str | None, QuantConfig | None, str | None]:
+    """``(activation, quant, None)`` when fusedmoe computes transformers' ``FP8Experts`` module ``experts`` for
+    hidden states of ``dtype``, else ``(None, None, reason)``. Cached per module, keyed by what decides it: the
+    dtype, the shapes and dtypes of its weights and scales, its plain settings, its ``act_fn`` and ``hidden_act``
+    (the checks read ~20 attributes, ~15 us of Python per call uncached)."""
+    tensors = tuple(experts._parameters.get(n, experts._buffers.get(n)) for n in _FP8_TENSORS)
+    own = experts.__dict__
+    key = (
+        dtype,
+        *((t.shape, t.dtype) if t is not None else None for t in tensors),
+        *(own.get(a) for a in _FP8_SETTINGS),
+        _hidden_act_of(experts),
+        id(_act_fn_of(experts)),
+    )
+    cached = own.get("_fusedmoe_fp8_verdict")
+    try:
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        hash(key)
+    except TypeError:  # an unhashable setting (e.g. block_size as a list): checked on every call
+        key = None
+    reason = fp8_experts_unsupported(experts) or _dtype_unsupported(dtype)
+    if reason is not None:
+        verdict = (None, None, reason)
+    else:
+        activation = "swigluoai" if experts.swiglu_alpha is not None else _module_activation(experts)
+        verdict = (activation, QuantConfig("fp8_block", block_shape=tuple(experts.block_size)), None)
+    if key is not None and not torch.compiler.is_compiling():
+        own["_fusedmoe_fp8_verdict"] = (key, verdict)
+    return verdict
 
 
 def fusedmoe_fp8_experts_forward(
@@ -484,31 +525,32 @@ def fusedmoe_fp8_experts_forward(
     :func:`register`): ``fused_moe(quant="fp8_block")`` on the module's e4m3 weights and ``*_scale_inv`` block
     scales. Modules it cannot compute, and calls that need a gradient (fusedmoe's quantized experts have no
     backward), run the class's own forward, with a warning naming the reason."""
-    reason = fp8_experts_unsupported(self) or _dtype_unsupported(hidden_states.dtype)
-    if reason is None and torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+    activation, quant, reason = _fp8_verdict(self, hidden_states.dtype)
+    grad = torch.is_grad_enabled()
+    if reason is None and grad and (hidden_states.requires_grad or top_k_weights.requires_grad):
         reason = "a gradient is needed and fusedmoe's fp8 experts have no backward"
     if reason is not None:
         _warn_once(
             self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' fp8 experts", reason
         )
         return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
-    if self.swiglu_alpha is not None:
-        activation = "swigluoai"
-    else:
-        activation = _module_activation(self)
     if top_k_weights.shape != top_k_index.shape:
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
+    P = self._parameters
+    w1, s1, w2, s2 = (P[n] if n in P else getattr(self, n) for n in _FP8_TENSORS)
+    if grad:  # quantized weights and their scales take no gradient
+        w1, s1, w2, s2 = w1.detach(), s1.detach(), w2.detach(), s2.detach()
     run = fused_moe_op if torch.compiler.is_compiling() else fused_moe
     return run(
         hidden_states,
-        self.gate_up_proj.detach(),  # quantized weights and their scales take no gradient
-        self.down_proj.detach(),
+        w1,
+        w2,
         top_k_weights,  # in transformers' dtype, as above
         top_k_index,
         activation=activation,
-        quant=QuantConfig("fp8_block", block_shape=tuple(self.block_size)),
-        w1_scale=self.gate_up_proj_scale_inv.detach(),
-        w2_scale=self.down_proj_scale_inv.detach(),
+        quant=quant,
+        w1_scale=s1,
+        w2_scale=s2,
         workspace=getattr(self, "_fusedmoe_workspace", None),
         backend=getattr(self, "_fusedmoe_backend", "auto"),
     )
