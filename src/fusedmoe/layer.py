@@ -258,9 +258,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         if not torch.compiler.is_compiling():
-            verdict, sig = self._verdict(hidden_states, router_logits)
+            verdict = self._verdict(hidden_states, router_logits)
             if verdict is not None:
-                return self._run_validated(verdict, sig, hidden_states, router_logits)
+                return self._run_validated(verdict, hidden_states, router_logits)
         return self._forward_checked(hidden_states, router_logits)
 
     # The eager hot path. A forward's validation verdict (problem, kernel, manager, router) depends only on the
@@ -294,15 +294,15 @@ class FusedMoE(nn.Module):
         ), sig
 
     def _verdict(self, hidden_states, router_logits):
-        key, sig = self._key(hidden_states, router_logits)
+        key, _ = self._key(hidden_states, router_logits)
         if key is None:
-            return None, None
+            return None
         try:
-            return self._verdicts.get(key), sig
+            return self._verdicts.get(key)
         except TypeError:  # unhashable settings: the checked path reports them
-            return None, None
+            return None
 
-    def _run_validated(self, verdict, sig, hidden_states, router_logits) -> torch.Tensor:
+    def _run_validated(self, verdict, hidden_states, router_logits) -> torch.Tensor:
         p, kernel, manager, router, gate_in_kernel, layout = verdict
         P = self._parameters
         if torch.is_grad_enabled() and self._wants_grad(hidden_states, router_logits):
