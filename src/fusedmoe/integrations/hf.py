@@ -378,8 +378,8 @@ def fusedmoe_experts_forward(
             self, f"{type(self).__name__} (experts_implementation='fusedmoe') runs transformers' eager experts", reason
         )
         return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
-    workspace = getattr(self, "_fusedmoe_workspace", None)
-    backend = getattr(self, "_fusedmoe_backend", "auto")
+    workspace = self.__dict__.get("_fusedmoe_workspace")
+    backend = self.__dict__.get("_fusedmoe_backend", "auto")
     return _run_experts(self, hidden_states, top_k_index, top_k_weights, activation, workspace, backend)
 
 
@@ -556,8 +556,8 @@ def fusedmoe_fp8_experts_forward(
         quant=quant,
         w1_scale=s1,
         w2_scale=s2,
-        workspace=getattr(self, "_fusedmoe_workspace", None),
-        backend=getattr(self, "_fusedmoe_backend", "auto"),
+        workspace=self.__dict__.get("_fusedmoe_workspace"),
+        backend=self.__dict__.get("_fusedmoe_backend", "auto"),
     )
 
 

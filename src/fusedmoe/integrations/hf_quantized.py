@@ -97,6 +97,6 @@ def run_quantized_experts(
         w2_scale=s2,
         w1_bias=b1,
         w2_bias=b2,
-        workspace=getattr(experts, "_fusedmoe_workspace", None),
-        backend=getattr(experts, "_fusedmoe_backend", "auto"),
+        workspace=experts.__dict__.get("_fusedmoe_workspace"),
+        backend=experts.__dict__.get("_fusedmoe_backend", "auto"),
     )
