@@ -192,21 +192,21 @@ def test_fp8_experts_verdict_is_cached_and_follows_the_module():
     import fusedmoe.integrations.hf as hf
 
     m, _, _ = _fp8_experts_module("fusedmoe")
-    first = hf._fp8_verdict(m, torch.bfloat16)
+    first = hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m))
     activation, quant, reason = first
     assert reason is None and activation == "silu" and quant.mode == "fp8_block" and quant.block_shape == (128, 128)
-    assert hf._fp8_verdict(m, torch.bfloat16) is first  # cached
-    assert "float64" in hf._fp8_verdict(m, torch.float64)[2]
+    assert hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m)) is first  # cached
+    assert "float64" in hf._fp8_verdict(m, torch.float64, hf._fp8_tensors(m))[2]
     m.activation_scheme = "static"
-    assert "static fp8 activation scales" in hf._fp8_verdict(m, torch.bfloat16)[2]
+    assert "static fp8 activation scales" in hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m))[2]
     m.activation_scheme = "dynamic"
-    assert hf._fp8_verdict(m, torch.bfloat16)[2] is None
+    assert hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m))[2] is None
     w = m.gate_up_proj
     m.gate_up_proj = torch.nn.Parameter(w[:, : w.shape[1] // 2].contiguous(), requires_grad=False)
-    assert "is not one scale per 128x128 block" in hf._fp8_verdict(m, torch.bfloat16)[2]
+    assert "is not one scale per 128x128 block" in hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m))[2]
     m.gate_up_proj = w
     m.block_size = [128, 128]  # a list: no cache key, the checks run each time
-    assert hf._fp8_verdict(m, torch.bfloat16)[2] is None
+    assert hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m))[2] is None
 
 
 def test_fp8_experts_with_clamped_swiglu_read_the_modules_limit():
@@ -216,7 +216,7 @@ def test_fp8_experts_with_clamped_swiglu_read_the_modules_limit():
     m, _, _ = _fp8_experts_module("fusedmoe")
     m.swiglu_alpha, m.limit = 1.702, 7.0
     assert hf.fp8_experts_unsupported(m) is None
-    assert hf._fp8_verdict(m, torch.bfloat16)[0] == "swigluoai"
+    assert hf._fp8_verdict(m, torch.bfloat16, hf._fp8_tensors(m))[0] == "swigluoai"
     m.limit = 5.0
     assert "limit=5.0" in hf.fp8_experts_unsupported(m)
     m.swiglu_alpha = None

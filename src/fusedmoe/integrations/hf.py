@@ -58,6 +58,7 @@ from .hf_support import (
     _activation_of,
     _dtype_unsupported,
     _module_activation,
+    _source_key,
     act_fn_activation,
     experts_unsupported,
 )
@@ -277,7 +278,7 @@ def _expert_weights(experts: nn.Module):
 def _layer_weights(experts: nn.Module):
     """(w1, w2, w1_bias, w2_bias) in fusedmoe's layout that a layer can hold as parameters: the module's own
     Parameter objects, or for gpt-oss a converted copy (no autograd history, ``requires_grad=False``), made
-    once and remade when a source tensor changes (storage, version, dtype, device; checked in eager mode, reused
+    once and remade when a source tensor changes (storage, version, dtype, device, shape; checked in eager mode, reused
     as is while compiling). The copy is for inference: a forward that trains gpt-oss's experts computes with
     :func:`_expert_weights`."""
     if not getattr(experts, "is_transposed", False):
@@ -295,7 +296,7 @@ def _layer_weights(experts: nn.Module):
             return cached[1]
         w1, b1, w2, b2 = gpt_oss_to_fused(*(p.detach() for p in params))
         return w1, w2, b1, b2
-    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+    key = _source_key(*params)
     if cached is None or cached[0] != key:
         with torch.no_grad():
             w1, b1, w2, b2 = (
@@ -486,18 +487,27 @@ _FP8_SETTINGS = ("has_gate", "has_bias", "_is_expert_parallel", "activation_sche
 _FP8_SETTINGS += ("swiglu_alpha", "swiglu_limit", "limit", "limit_after_act")
 
 
-def _fp8_verdict(experts: nn.Module, dtype: torch.dtype) -> tuple[str | None, QuantConfig | None, str | None]:
-    """``(activation, quant, None)`` when fusedmoe computes transformers' ``FP8Experts`` module ``experts`` for
-    hidden states of ``dtype``, else ``(None, None, reason)``. Cached per module, keyed by what decides it: the
-    dtype, the shapes and dtypes of its weights and scales, its plain settings, its ``act_fn`` and ``hidden_act``
-    (the checks read ~20 attributes: ~12 us of Python per call uncached, on the CPU machine)."""
+def _fp8_tensors(experts: nn.Module) -> tuple[torch.Tensor, ...]:
+    """(gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv) of an ``FP8Experts`` module, read
+    from its parameter dict where they are parameters (nn.Module's __getattr__ costs ~0.7 us a name)."""
+    P = experts._parameters
+    return tuple(P[n] if n in P else getattr(experts, n) for n in _FP8_TENSORS)
+
+
+def _fp8_verdict(
+    experts: nn.Module, dtype: torch.dtype, tensors: tuple[torch.Tensor, ...]
+) -> tuple[str | None, QuantConfig | None, str | None]:
+    """``(activation, quant, None)`` when fusedmoe computes transformers' ``FP8Experts`` module ``experts`` (its
+    :func:`_fp8_tensors` are ``tensors``) for hidden states of ``dtype``, else ``(None, None, reason)``. Cached per
+    module, keyed by what decides it: the dtype, the shapes and dtypes of its weights and scales, its plain
+    settings, its ``act_fn`` and ``hidden_act`` (the checks read ~20 attributes: ~12 us of Python per call
+    uncached, on the CPU machine)."""
     if torch.compiler.is_compiling():  # traced once per compilation; the cache is eager mode's
         return _fp8_checked(experts, dtype)
-    tensors = tuple(experts._parameters.get(n, experts._buffers.get(n)) for n in _FP8_TENSORS)
     own = experts.__dict__
     key = (
         dtype,
-        *((t.shape, t.dtype) if t is not None else None for t in tensors),
+        *((t.shape, t.dtype) for t in tensors),
         *(own.get(a) for a in _FP8_SETTINGS),
         _hidden_act_of(experts),
         id(_act_fn_of(experts)),
@@ -530,7 +540,8 @@ def fusedmoe_fp8_experts_forward(
     :func:`register`): ``fused_moe(quant="fp8_block")`` on the module's e4m3 weights and ``*_scale_inv`` block
     scales. Modules it cannot compute, and calls that need a gradient (fusedmoe's quantized experts have no
     backward), run the class's own forward, with a warning naming the reason."""
-    activation, quant, reason = _fp8_verdict(self, hidden_states.dtype)
+    w1, s1, w2, s2 = _fp8_tensors(self)
+    activation, quant, reason = _fp8_verdict(self, hidden_states.dtype, (w1, s1, w2, s2))
     grad = torch.is_grad_enabled()
     if reason is None and grad and (hidden_states.requires_grad or top_k_weights.requires_grad):
         reason = "a gradient is needed and fusedmoe's fp8 experts have no backward"
@@ -541,8 +552,6 @@ def fusedmoe_fp8_experts_forward(
         return _eager_experts_forward(self)(self, hidden_states, top_k_index, top_k_weights)
     if top_k_weights.shape != top_k_index.shape:
         top_k_weights = top_k_weights.gather(1, top_k_index.long())
-    P = self._parameters
-    w1, s1, w2, s2 = (P[n] if n in P else getattr(self, n) for n in _FP8_TENSORS)
     if grad:  # quantized weights and their scales take no gradient
         w1, s1, w2, s2 = w1.detach(), s1.detach(), w2.detach(), s2.detach()
     run = fused_moe_op if torch.compiler.is_compiling() else fused_moe

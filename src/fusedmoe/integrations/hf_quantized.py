@@ -16,7 +16,7 @@ from ..api import fused_moe
 from ..op import fused_moe_op
 from ..quant import FP8_DTYPE
 from .convert import gate_then_up
-from .hf_support import SERVED_DTYPES, _activation_of
+from .hf_support import SERVED_DTYPES, _activation_of, _source_key
 
 __all__ = ["QUANTIZED_ATTR", "is_quantized", "run_quantized_experts"]
 
@@ -49,7 +49,7 @@ def _biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | Non
         return b1, b2
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and b1.requires_grad):
         return gate_then_up(b1), b2
-    key = (b1.data_ptr(), b1._version, b1.dtype, b1.device, b1.shape)
+    key = _source_key(b1)
     cached = experts.__dict__.get(_BIAS_CACHE_ATTR)
     if cached is None or cached[0] != key:
         with torch.no_grad():

@@ -132,6 +132,12 @@ def experts_unsupported(experts: nn.Module) -> str | None:
     return None
 
 
+def _source_key(*tensors: torch.Tensor) -> tuple:
+    """What a copy converted from ``tensors`` depends on: each one's storage, version (in-place writes), dtype,
+    device and shape. A kept copy whose key no longer matches is remade."""
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device, t.shape) for t in tensors)
+
+
 def _dtype_unsupported(dtype: torch.dtype) -> str | None:
     if dtype in SERVED_DTYPES:
         return None
