@@ -41,6 +41,15 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def router_gemm_to_64(monkeypatch):
+    """The routing launch computes the logits up to 64 rows (off by default: ROUTER_GEMM_MAX_M)."""
+    from fusedmoe.ops import routing
+
+    monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
+    return 64
+
+
 #: A worker process sharing the GPU with others returns its cached blocks above this (bytes) after a test.
 _SHARED_GPU_CACHE = 2 << 30
 

@@ -143,13 +143,12 @@ GEMM_CASES = {"qwen3": 200, "k-equals-E": 48, "non-pow2-E": 64, "deepseek-v3": 9
 @pytest.mark.parametrize("device,dtype", TRITON_DEVICE_DTYPES)
 @pytest.mark.parametrize("name", sorted(GEMM_CASES))
 @pytest.mark.parametrize("M", [1, 17])
-def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M, monkeypatch):
+def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M, router_gemm_to_64):
     """Given the hidden rows and the router's weight (and bias) instead of logits, the launch routes as route() does
     on ``F.linear``'s logits: same ids, weights within float32 rounding. bf16 logits round to few values, so an
     equal pair may tie differently in a rare row."""
     case, H = CASES[name], GEMM_CASES[name]
     E, k, kw = case["E"], case["k"], _kwargs(case)
-    monkeypatch.setattr(routing_ops, "ROUTER_GEMM_MAX_M", 64)
     assert router_gemm_applies(M, E, H, kw["num_expert_groups"], dtype)
     x = torch.randn(M, H, device=device).to(dtype)
     gate = (torch.randn(E, H, device=device) * 3 / H**0.5).to(dtype)
@@ -160,8 +159,7 @@ def test_kernel_router_gemm_matches_linear_then_route(device, dtype, name, M, mo
     _assert_routes_alike(w, ids, w_ref, ids_ref, rows=1.0 if dtype == torch.float32 else 0.9)
 
 
-def test_router_gemm_applies_to_decode_sizes_and_small_gates_only(monkeypatch):
-    monkeypatch.setattr(routing_ops, "ROUTER_GEMM_MAX_M", 64)
+def test_router_gemm_applies_to_decode_sizes_and_small_gates_only(router_gemm_to_64):
     assert router_gemm_applies(1, 128, 2048, None, torch.bfloat16)  # qwen3-30b-a3b
     assert router_gemm_applies(64, 256, 1024, 8, torch.bfloat16)
     assert not router_gemm_applies(65, 128, 2048, None, torch.bfloat16)

@@ -31,15 +31,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture
-def router_gemm_to_64(monkeypatch):
-    """The routing launch computes the logits up to 64 rows (off by default: ROUTER_GEMM_MAX_M)."""
-    from fusedmoe.ops import routing
-
-    monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)
-    return 64
-
-
 def _layer(family: str, backend: str, workspace=None) -> FusedMoE:
     torch.manual_seed(0)
     layer = FusedMoE(
