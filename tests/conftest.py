@@ -43,7 +43,7 @@ def _seed():
 
 @pytest.fixture
 def router_gemm_to_64(monkeypatch):
-    """The routing launch computes the logits up to 64 rows (off by default: ROUTER_GEMM_MAX_M)."""
+    """The routing launch computes the logits up to 64 rows, whatever ROUTER_GEMM_MAX_M's default."""
     from fusedmoe.ops import routing
 
     monkeypatch.setattr(routing, "ROUTER_GEMM_MAX_M", 64)

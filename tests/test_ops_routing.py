@@ -1,12 +1,15 @@
 """The one-launch Triton routing kernel against the torch definition of route() (on the CPU): route() on CUDA
 takes the kernel, on the CPU the interpreter runs it directly."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from devices import TRITON_DEVICE_DTYPES, TRITON_DEVICES, interpreter
 
-from fusedmoe.ops import routing as routing_ops
 from fusedmoe.ops.routing import kernel_supports, route_fused, router_gemm_applies
 from fusedmoe.routing import ROUTING_PRESETS, route
 
@@ -171,6 +174,15 @@ def test_router_gemm_applies_to_decode_sizes_and_small_gates_only(router_gemm_to
     assert not router_gemm_applies(1, 128, 64, None, torch.float64)
 
 
-def test_router_gemm_is_off_by_default():
-    """Off until the switch is measured on a GPU (ROUTER_GEMM_MAX_M's comment): no row count takes it."""
-    assert routing_ops.ROUTER_GEMM_MAX_M == 0 and not router_gemm_applies(1, 128, 2048, None, torch.bfloat16)
+def test_router_gemm_takes_decode_sizes_by_default_and_the_environment_turns_it_off():
+    """The default (measured: ROUTER_GEMM_MAX_M's comment) takes qwen3-30b-a3b's gate from 1 to 256 rows, not 257;
+    ``FUSEDMOE_ROUTER_GEMM_MAX_M=0``, read at import, turns the fused router GEMM off."""
+    code = (
+        "import torch; from fusedmoe.ops.routing import router_gemm_applies as a; "
+        "print(*(a(m, 128, 2048, None, torch.bfloat16) for m in (1, 256, 257)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FUSEDMOE_ROUTER_GEMM_MAX_M"}
+    for setting, want in ((None, "True True False"), ("0", "False False False")):
+        run_env = env if setting is None else {**env, "FUSEDMOE_ROUTER_GEMM_MAX_M": setting}
+        got = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert got.stdout.split() == want.split()

@@ -21,6 +21,8 @@ Outputs: ``topk_weights`` float32 [M, k], ``topk_ids`` int32 [M, k]; every row <
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -209,11 +211,14 @@ def _route_kernel(
 ROUTE_ROWS: int | None = None
 ROUTE_WARPS: int | None = None
 
-#: The most rows for which the routing launch also computes the router logits (:func:`router_gemm_applies`). Each
-#: program reads the whole gate matrix, so the fused GEMM saves a launch (and ~15 us of host time around
-#: ``F.linear``) at decode sizes; from a few hundred rows cuBLAS' GEMM is the faster way to the logits. 0 (off)
-#: until the switch is measured on a GPU: ``fusedmoe bench host`` times the layer both ways at every M.
-ROUTER_GEMM_MAX_M = 0
+#: The most rows for which the routing launch also computes the router logits (:func:`router_gemm_applies`). One
+#: program per 16 rows reads the whole gate, so the launch takes ~4-6 us more GPU time than routing from given
+#: logits (one SM streams the gate where cuBLAS spreads it), and the layer saves ``F.linear``'s torch op and launch:
+#: ~20-30 us of host time per call at every M measured up to 256 (BENCHMARKS.md, "Host time per call"). An eager
+#: call at these sizes is bound by the host, so the fused GEMM is the default there; callers who capture eager
+#: layers in their own CUDA graphs, where only GPU time counts, set ``FUSEDMOE_ROUTER_GEMM_MAX_M=0`` (read at
+#: import). The compiled path (the registered op) routes outside the kernel and is not affected.
+ROUTER_GEMM_MAX_M = int(os.environ.get("FUSEDMOE_ROUTER_GEMM_MAX_M", "256"))
 #: The largest gate matrix (bytes) the routing launch reads for its logits: one program streams all of it, at a
 #: single SM's read rate (~0.15-0.2 TB/s), where cuBLAS spreads it over many; 512 KiB is qwen3-30b-a3b's
 #: (128 x 2048 bf16), DeepSeek-V3's (256 x 7168) is 7x that.
