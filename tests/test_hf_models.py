@@ -327,3 +327,28 @@ def test_the_experts_verdict_key_reads_hidden_act_from_any_config_object():
         assert _hidden_act_of(module) == want
     module.config = tiny_model("qwen3_moe", hidden_act="gelu").config
     assert _hidden_act_of(module) == "gelu"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_an_unobserved_patched_block_leaves_the_router_logits_to_its_layer(arch):
+    """A plain forward hands the block's FusedMoE layer no logits where the layer's gate (and gpt-oss' bias) give
+    the router's own (so the routing launch can compute them); DeepSeek's routers compute float32 logits, which the
+    block still passes. Either way the model computes transformers' logits."""
+    from unittest import mock
+
+    from fusedmoe import FusedMoE
+
+    ref = tiny_model(arch)
+    model = copy.deepcopy(ref)
+    hf.patch_model(model)
+    ids = prompt()
+    with mock.patch.object(FusedMoE, "forward", autospec=True, side_effect=FusedMoE.forward) as forward:
+        logits = _logits(model, ids)
+    calls = forward.call_args_list
+    given = [call.args[2] if len(call.args) > 2 else call.kwargs.get("router_logits") for call in calls]
+    assert len(given) == len(_moe_blocks(model))
+    if arch == "deepseek_v3":
+        assert all(g is not None and g.dtype == torch.float32 for g in given)
+    else:
+        assert all(g is None for g in given)
+    assert relative_error(logits, _logits(ref, ids)) < TOL

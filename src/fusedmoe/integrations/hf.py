@@ -572,7 +572,28 @@ def fusedmoe_fp8_experts_forward(
 
 # ---- whole-block patching ------------------------------------------------------------------------------------
 def _router_of(block: nn.Module, model_type: str) -> nn.Module:
-    return block.router if model_type == "gpt_oss" else block.gate
+    return block._modules["router" if model_type == "gpt_oss" else "gate"]
+
+
+def _param(module: nn.Module, name: str):
+    """``module.<name>`` for a parameter, by dict (nn.Module's ``__getattr__`` costs ~0.7 us a name per call)."""
+    p = module._parameters.get(name)
+    return p if p is not None else getattr(module, name, None)
+
+
+def _experts_implementation_of(experts: nn.Module):
+    """The experts implementation ``experts``' transformers config selects, without the config's
+    ``__getattribute__`` (~1 us a read) where the config keeps it in its own attributes (in eager mode)."""
+    config = experts.__dict__.get("config")
+    if torch.compiler.is_compiling():  # dynamo does not trace object.__getattribute__
+        return getattr(config, "_experts_implementation", None)
+    try:
+        own = object.__getattribute__(config, "__dict__")
+    except AttributeError:
+        own = {}
+    if "_experts_implementation_internal" in own:
+        return own["_experts_implementation_internal"]
+    return getattr(config, "_experts_implementation", None)
 
 
 def _router_logits(router: nn.Module, model_type: str, x: torch.Tensor) -> torch.Tensor:
@@ -703,21 +724,21 @@ def _sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> None:
 
 
 def _in_sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> bool:
-    experts = block.experts
+    experts = block._modules["experts"]
     router = _router_of(block, patch.model_type)
     P = layer._parameters
     if patch.model_type == "gpt_oss":
         w = _layer_weights(experts)
-        if P["w1"] is not w[0] or P["gate_bias"] is not router.bias:
+        if P["w1"] is not w[0] or P["gate_bias"] is not _param(router, "bias"):
             return False
-    elif P["w1"] is not experts.gate_up_proj or P["w2"] is not experts.down_proj:
+    elif P["w1"] is not _param(experts, "gate_up_proj") or P["w2"] is not _param(experts, "down_proj"):
         return False
     if (
         patch.model_type == "deepseek_v3"
         and layer._buffers["e_score_correction_bias"] is not router.e_score_correction_bias
     ):
         return False
-    return P["gate"] is router.weight
+    return P["gate"] is _param(router, "weight")
 
 
 class FusedMoEBlock(nn.Module):
@@ -764,7 +785,7 @@ class FusedMoEBlock(nn.Module):
 
     def _fused_path(self, hidden_states: torch.Tensor) -> bool:
         patch = self.__dict__["_fusedmoe"]
-        if self.experts.config._experts_implementation != patch.implementation:
+        if _experts_implementation_of(self._modules["experts"]) != patch.implementation:
             return False
         if hidden_states.dtype not in SERVED_DTYPES:
             _warn_once(
@@ -787,14 +808,18 @@ class FusedMoEBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         router = _router_of(self, model_type)
         trains = torch.is_grad_enabled() and (
-            x.requires_grad or any(p.requires_grad for m in (router, self.experts) for p in m.parameters())
+            x.requires_grad or any(p.requires_grad for m in (router, self._modules["experts"]) for p in m.parameters())
         )
         if trains or _observed(router):
             # training runs the router module whether observed or not: an activation-checkpointing recompute
             # (where no recorder is active) then builds the graph its forward built
             logits = router(hidden_states if model_type.startswith("deepseek") else x)[0]
-        else:
+        elif model_type.startswith("deepseek"):  # float32 logits, which the layer's bf16 gate would not give
             logits = _router_logits(router, model_type, x)
+        else:
+            # the layer's gate (and gpt-oss' bias) are the router's own tensors (``self.moe`` keeps them so): the
+            # layer computes the same logits, in its routing launch at decode sizes (one torch op fewer)
+            logits = None
         if trains:
             # route in differentiable torch ops and run the experts on the experts module's own parameters
             # (gpt-oss's converted per call), so every gradient lands on the model's leaves
