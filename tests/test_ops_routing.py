@@ -176,7 +176,8 @@ def test_router_gemm_applies_to_decode_sizes_and_small_gates_only(router_gemm_to
 
 def test_router_gemm_takes_decode_sizes_by_default_and_the_environment_turns_it_off():
     """The default (measured: ROUTER_GEMM_MAX_M's comment) takes qwen3-30b-a3b's gate from 1 to 256 rows, not 257;
-    ``FUSEDMOE_ROUTER_GEMM_MAX_M=0``, read at import, turns the fused router GEMM off."""
+    ``FUSEDMOE_ROUTER_GEMM_MAX_M=0``, read at import, turns the fused router GEMM off; a value that is not a number
+    is refused at import, naming the variable."""
     code = (
         "import torch; from fusedmoe.ops.routing import router_gemm_applies as a; "
         "print(*(a(m, 128, 2048, None, torch.bfloat16) for m in (1, 256, 257)))"
@@ -186,3 +187,7 @@ def test_router_gemm_takes_decode_sizes_by_default_and_the_environment_turns_it_
         run_env = env if setting is None else {**env, "FUSEDMOE_ROUTER_GEMM_MAX_M": setting}
         got = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
         assert got.stdout.split() == want.split()
+    bad = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "FUSEDMOE_ROUTER_GEMM_MAX_M": "all"}, capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "ValueError: FUSEDMOE_ROUTER_GEMM_MAX_M must be a whole number" in bad.stderr

@@ -207,6 +207,20 @@ def _route_kernel(
     tl.store(ids_ptr + out, ids, mask=mask)
 
 
+def _rows_from_env(name: str, default: int) -> int:
+    """The row count the environment variable ``name`` sets, ``default`` when it is unset; a value that is not a
+    whole number raises ValueError naming the variable."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be a whole number of rows (0 turns the fused router GEMM off), got {raw!r}"
+        ) from None
+
+
 #: Launch shape (rows per program, warps); None = automatic. Module attributes so benchmarks can sweep them.
 ROUTE_ROWS: int | None = None
 ROUTE_WARPS: int | None = None
@@ -218,7 +232,7 @@ ROUTE_WARPS: int | None = None
 #: call at these sizes is bound by the host, so the fused GEMM is the default there; callers who capture eager
 #: layers in their own CUDA graphs, where only GPU time counts, set ``FUSEDMOE_ROUTER_GEMM_MAX_M=0`` (read at
 #: import). The compiled path (the registered op) routes outside the kernel and is not affected.
-ROUTER_GEMM_MAX_M = int(os.environ.get("FUSEDMOE_ROUTER_GEMM_MAX_M", "256"))
+ROUTER_GEMM_MAX_M = _rows_from_env("FUSEDMOE_ROUTER_GEMM_MAX_M", 256)
 #: The largest gate matrix (bytes) the routing launch reads for its logits: one program streams all of it, at a
 #: single SM's read rate (~0.15-0.2 TB/s), where cuBLAS spreads it over many; 512 KiB is qwen3-30b-a3b's
 #: (128 x 2048 bf16), DeepSeek-V3's (256 x 7168) is 7x that.
