@@ -288,12 +288,12 @@ def test_isolate_runs_each_mode_in_a_process_and_merges_the_rows(monkeypatch, tm
     monkeypatch.setattr(model_bench, "_run_child", run_child)
     out = tmp_path / "merged.json"
     argv = ["--preset", "mixtral-8x7b", "--tiny", "--cpu", "--layers", "2", "--impls", "a,b", "--batches", "1"]
-    argv += ["--modes", "eager,compiled", "--repeats", "2", "--isolate", "--json", str(out)]
+    argv += ["--modes", "eager,compiled", "--repeats", "2", "--isolate", "--profile", "--json", str(out)]
     assert model_bench.main(_args(*argv)) == 0
     assert [c[c.index("--modes") + 1] for c in commands] == ["eager", "compiled"]
     for command in commands:
         assert command[:5] == [sys.executable, "-m", "fusedmoe", "bench", "model"]
-        assert "--isolate" not in command and {"--tiny", "--cpu"} <= set(command)
+        assert "--isolate" not in command and {"--tiny", "--cpu", "--profile"} <= set(command)
         for option, value in (("--preset", "mixtral-8x7b"), ("--layers", "2"), ("--impls", "a,b"), ("--repeats", "2")):
             assert command[command.index(option) + 1] == value
     merged = json.loads(out.read_text())
@@ -345,3 +345,48 @@ def test_the_presets_hold_the_published_configs():
     assert config.layer_types == ["sliding_attention", "full_attention"] * 12
     three = getattr(transformers, cls_name)(**{**kwargs, "num_hidden_layers": 3})  # --layers 3
     assert three.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def test_profile_runs_one_prefill_and_one_generate_per_implementation_after_the_repeats(monkeypatch):
+    """``--profile``: after the timed repeats each implementation is switched in once more and runs its untimed
+    generate, then a prefill and a whole generate under the profiler; the rows carry both profiles (on a CPU: wall
+    time and the operators with the most CPU time, no device figures) and the notes name them."""
+    switched, calls = [], []
+
+    def use(model, impl, kept):
+        switched.append(impl)
+        return lambda: None
+
+    def generate(model, ids, mask, new, compiled):
+        calls.append((switched[-1], new))
+        torch.ones(64, 64) @ torch.ones(64, 64)  # something for the profiler to see
+        return _fake_generate(ids, new)
+
+    monkeypatch.setattr(model_bench, "_use", use)
+    monkeypatch.setattr(model_bench, "_generate", generate)
+    impls, repeats, new = ["A", "B"], 2, 4
+    rows = model_bench.run(
+        _stand_in_model(), impls, [1], ["eager"], prompt=3, new=new, repeats=repeats, progress=_quiet, profile=True
+    )
+    assert switched == impls * (1 + repeats + 1)  # warm-up, the repeats, then the profiled round
+    assert calls[-6:] == [(i, n) for i in impls for n in (2, 1, new)]  # untimed, profiled prefill, profiled whole
+    for r in rows:
+        assert r["repeats"] == repeats  # the profiled runs are not among the timed repeats
+        for phase in ("prefill", "whole"):
+            p = r["profile"][phase]
+            assert p["wall_ms"] > 0 and p["device_ms"] is None and p["kernels"] is None
+            assert any("mm" in t["name"] for t in p["top"]) and all(t["calls"] >= 1 for t in p["top"])
+    lines = model_bench.notes(rows)
+    assert sum("profiled prefill" in line for line in lines) == len(impls)
+    plain = model_bench.run(_stand_in_model(), impls, [1], ["eager"], prompt=3, new=new, repeats=1, progress=_quiet)
+    assert all("profile" not in r for r in plain)
+
+
+def test_step_profile_ranks_the_operators_by_their_own_cpu_time_on_a_cpu():
+    from fusedmoe.tools.bench.profile import step_profile
+
+    a = torch.randn(256, 256)
+    p = step_profile(lambda: [a @ a for _ in range(8)] + [a + 1], torch.device("cpu"), top=2)
+    assert len(p["top"]) == 2 and p["top"][0]["ms"] >= p["top"][1]["ms"]
+    assert any(t["name"] in ("aten::mm", "aten::matmul") and t["calls"] == 8 for t in p["top"])
+    assert p["wall_ms"] > 0 and p["device_ms"] is None

@@ -156,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, help="timed steps (decode; CPU strategy table)")
     bench.add_argument("--cpu", action="store_true", help="run the CPU strategy benchmark even with a GPU")
     bench.add_argument("--eager", action="store_true", help="GPU: also time eager (host cost) per call")
-    bench.add_argument("--profile", action="store_true", help="GPU: per-kernel GPU time (torch profiler)")
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU: per-kernel GPU time (torch profiler); model: one profiled prefill and generate per cell",
+    )
     bench.add_argument("--route", action="store_true", help="GPU: time route() alone (torch vs kernel shapes)")
     bench.add_argument("--align", action="store_true", help="GPU: time the alignment op alone")
     bench.add_argument(

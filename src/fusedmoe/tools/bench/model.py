@@ -23,7 +23,10 @@ every repeat switches to each in turn (A B C D, A B C D, ...) and runs one untim
 implementation (random weights make near-ties common, so agreement below 100% after a few tokens is expected and
 reported, not hidden). Each row also gives its warm-up's seconds (in compiled mode, mostly compilation), counts
 the graphs torch compiled after the warm-up (0 unless a switch recompiles) and while timed, and, in compiled mode,
-says whether CUDA graphs covered the decode step (``cudagraphs``).
+says whether CUDA graphs covered the decode step (``cudagraphs``). ``--profile`` adds, after the repeats, one
+prefill and one whole ``generate`` per cell under the torch profiler (untimed): the sum of the step's kernel times
+beside its wall time says whether the device or the host sets the pace, and the kernels (on a CPU, operators) that
+take the most time say where it goes.
 
 One compiled forward keeps each implementation's graphs: transformers reads the experts implementation from the
 config at call time and dynamo guards on it (the recompile limit is raised to hold every implementation's graphs),
@@ -53,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import compile_watch, report
+from .profile import step_profile
 
 #: Published configs of the presets (Hugging Face config.json of each model), as transformers kwargs.
 MODELS: dict[str, tuple[str, dict]] = {
@@ -281,16 +285,29 @@ class _Samples:
     decode_ms: list[float] = field(default_factory=list)
     tokens: torch.Tensor | None = None
     error: str | None = None
+    profile: dict | None = None
 
 
 def run(
-    model, impls, batches, modes, *, prompt: int, new: int, repeats: int, progress=print, clock=time.perf_counter
+    model,
+    impls,
+    batches,
+    modes,
+    *,
+    prompt: int,
+    new: int,
+    repeats: int,
+    progress=print,
+    clock=time.perf_counter,
+    profile: bool = False,
 ) -> list[dict]:
     """One row per (mode, batch, impl) cell, in that order (see the module's docstring for the method).
 
     Within each (mode, batch) the implementations are switched in (:func:`_use`) in this order: each once for its
     warm-up, then each once per repeat. ``clock`` (seconds) times the runs. A cell whose implementation runs out of
-    GPU memory gets a row with the reason under ``error`` and no figures, and the others go on."""
+    GPU memory gets a row with the reason under ``error`` and no figures, and the others go on. ``profile``: after
+    the repeats, each implementation runs one more prefill and one more whole ``generate`` under the torch
+    profiler (:func:`~fusedmoe.tools.bench.profile.step_profile`, in the row's ``profile``), untimed."""
     kept: dict = {}
     rows = []
     # per implementation and batch size: a graph, and a dynamic-shape one where dynamo makes one
@@ -298,13 +315,14 @@ def run(
     with compile_watch.room_for_compiled_graphs(room):
         for mode in modes:
             for batch in batches:
-                rows += _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, clock)
+                rows += _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, clock, profile)
     _add_vs_best_transformers(rows)
     return rows
 
 
-def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, clock) -> list[dict]:
-    """The rows of one (mode, batch): every implementation warmed up, then ``repeats`` interleaved repeats."""
+def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, clock, profile=False) -> list[dict]:
+    """The rows of one (mode, batch): every implementation warmed up, then ``repeats`` interleaved repeats, then
+    (``profile``) one profiled prefill and whole ``generate`` each."""
     device = next(model.parameters()).device
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).to(device)
@@ -336,6 +354,15 @@ def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, 
         samples[impl].decode_ms.append((whole - prefill) / max(1, new - 1))
         samples[impl].tokens = out[:, prompt:]
 
+    def profiled(impl, watch):
+        # where the time of a step goes (host- or device-bound, which kernels); the profiler's cost is not timed
+        untimed(impl, watch, "untimed")
+        with watch.during(impl, "profiled"):
+            samples[impl].profile = {
+                "prefill": step_profile(lambda: _generate(model, ids, mask, 1, compiled), device),
+                "whole": step_profile(lambda: _generate(model, ids, mask, new, compiled), device),
+            }
+
     with compile_watch.CompileWatch(compiled=compiled, on_cuda=device.type == "cuda") as watch:
         for impl in impls:
             _switched(model, impl, kept, samples[impl], lambda i=impl: warm_up(i, watch), where, progress)
@@ -344,6 +371,9 @@ def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, 
                 _switched(model, impl, kept, samples[impl], lambda i=impl: timed(i, watch), where, progress)
             done = [f"{i} {s.decode_ms[-1]:.2f}" for i, s in samples.items() if s.error is None and s.decode_ms]
             progress(f"{where} repeat {r + 1}/{repeats}: decode ms/token {', '.join(done)}")
+        if profile:
+            for impl in [i for i in impls if samples[i].error is None]:
+                _switched(model, impl, kept, samples[impl], lambda i=impl: profiled(i, watch), where, progress)
     reference = next((s.tokens for s in samples.values() if s.tokens is not None), None)
     return [
         _row(impl, mode, batch, samples[impl], reference, watch.tallies.get(impl, compile_watch.Tally()), device)
@@ -391,6 +421,8 @@ def _row(impl, mode, batch, samples: _Samples, reference, tally: compile_watch.T
         compiled_while_timed=tally.compiled_while_timed,
         cudagraphs_recorded_while_timed=tally.recorded_while_timed,
     )
+    if samples.profile is not None:
+        row["profile"] = samples.profile
     return row
 
 
@@ -463,6 +495,10 @@ def notes(rows: list[dict]) -> list[str]:
             )
         if r.get("cudagraphs_recorded_while_timed"):
             lines.append(f"{cell}: {r['cudagraphs_recorded_while_timed']} CUDA graph(s) recorded while timed")
+        for phase, p in (r.get("profile") or {}).items():
+            busy = "" if p["device_ms"] is None else f", kernels {p['device_ms']:.1f} ms ({p['kernels']} launches)"
+            top = "; ".join(f"{t['name'][:40]} {t['ms']:.2f} ms x{t['calls']}" for t in p["top"][:3])
+            lines.append(f"{cell} profiled {phase}: {p['wall_ms']:.1f} ms{busy}; most: {top}")
     return lines
 
 
@@ -495,7 +531,7 @@ def _child_argv(args, preset: str, mode: str, repeats: int, json_path: str) -> l
     """The command line of ``bench model`` for one ``mode`` in a process of its own, writing ``json_path``."""
     argv = [sys.executable, "-m", "fusedmoe", "bench", "model", "--preset", preset, "--modes", mode]
     argv += ["--prompt", str(args.prompt), "--new", str(args.new), "--repeats", str(repeats), "--json", json_path]
-    for flag in ("tiny", "cpu"):
+    for flag in ("tiny", "cpu", "profile"):
         if getattr(args, flag, False):
             argv.append(f"--{flag}")
     for option in ("layers", "impls", "batches"):
@@ -543,7 +579,7 @@ def _run_here(args, preset: str, modes: list[str], repeats: int) -> dict:
     )
     impls = args.impls.split(",") if args.impls else available_impls()
     batches = [int(b) for b in args.batches.split(",")] if args.batches else list(DEFAULT_BATCHES)
-    rows = run(model, impls, batches, modes, prompt=args.prompt, new=args.new, repeats=repeats)
+    rows = run(model, impls, batches, modes, prompt=args.prompt, new=args.new, repeats=repeats, profile=args.profile)
     return {"preset": preset, "tiny": tiny, "layers": model.config.num_hidden_layers, "isolated": False, "rows": rows}
 
 

@@ -6,6 +6,8 @@ and the count of kernels, allocations and fill/zero kernels per call.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from . import report
@@ -48,6 +50,43 @@ def cpu_op_counts(fn, iters: int = 10) -> dict[str, float]:
         if evt.key in ("aten::fill_", "aten::zero_", "aten::zeros", "aten::zeros_like"):
             counts["fills"] += evt.count / iters
     return counts
+
+
+def step_profile(fn, device: torch.device, top: int = 6) -> dict[str, object]:
+    """One call of ``fn`` under the profiler: is it bound by the host or the device, and what takes the device.
+
+    Returns ``wall_ms`` (the call under the profiler, the device synchronized before and after: the profiler's own
+    cost inflates it), ``device_ms`` (the sum of its kernels' GPU times; None on a CPU), ``kernels`` (how many ran)
+    and ``top``: the ``top`` names with the most time (``{"name", "ms", "calls"}``), kernels by GPU time on CUDA,
+    operators by their own CPU time on a CPU."""
+    on_cuda = device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        start = time.perf_counter()
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    timed = []  # (name, ms, calls)
+    for evt in prof.key_averages():
+        if on_cuda:
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(evt, "device_time_total", None)
+            if us is None:
+                us = getattr(evt, "cuda_time_total", 0)
+        else:
+            us = evt.self_cpu_time_total
+        timed.append((evt.key, us / 1e3, evt.count))
+    timed.sort(key=lambda t: -t[1])
+    return {
+        "wall_ms": wall_ms,
+        "device_ms": sum(ms for _, ms, _ in timed) if on_cuda else None,
+        "kernels": sum(calls for _, _, calls in timed) if on_cuda else None,
+        "top": [{"name": name[:90], "ms": ms, "calls": calls} for name, ms, calls in timed[:top]],
+    }
 
 
 def print_breakdown(title: str, rows: list[dict[str, object]]) -> None:
