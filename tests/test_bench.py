@@ -151,3 +151,24 @@ def test_bench_host_measures_the_experts_interface_beside_the_bare_call():
     for r in rows:
         if r["path"].startswith(("experts interface", "fused_moe on the same", "  fusedmoe_experts_forward")):
             assert r["host_us"] > 0 and r["device_us"] is None
+
+
+def test_host_us_interleaved_takes_turns_and_switches_before_each_turn():
+    """The paths take turns of ``block`` calls (A A B B, A A B B, ...), each turn after its path's switch; every
+    path gets ``calls`` timed calls, and a path that takes longer reads longer."""
+    import time
+
+    import torch
+
+    from fusedmoe.tools.bench.host import host_us_interleaved
+
+    seen = []
+    paths = {
+        "fast": (lambda: seen.append("fast"), lambda: seen.append("switch fast")),
+        "slow": (lambda: (seen.append("slow"), time.sleep(0.002)), lambda: seen.append("switch slow")),
+    }
+    us = host_us_interleaved(paths, torch.device("cpu"), calls=6, block=2)
+    warm = ["switch fast", "fast", "fast", "fast", "switch slow", "slow", "slow", "slow"]
+    turn = ["switch fast", "fast", "fast", "switch slow", "slow", "slow"]
+    assert seen == warm + turn * 3
+    assert us["slow"] > us["fast"] + 1500

@@ -8,7 +8,9 @@ Reported per path and per M:
   default) and through Triton's generic launcher (``FUSEDMOE_REPLAY=0``), plus ``fused_moe_op`` (the
   registered op that ``torch.compile`` sees; eager callers pay its dispatch only if they call it);
 - ``FusedMoE.forward`` with its router logits computed both ways, whatever the switch
-  (:data:`fusedmoe.ops.routing.ROUTER_GEMM_MAX_M`) picks: by the routing launch, and by ``F.linear`` before it;
+  (:data:`fusedmoe.ops.routing.ROUTER_GEMM_MAX_M`) picks: by the routing launch, and by ``F.linear`` before it,
+  timed in turns of 20 calls with the default forward (:func:`host_us_interleaved`), which equals one of the two:
+  the difference between those two rows is the run's noise;
 - the stages of a forward, each timed alone on the same inputs: the checked validation (what a call costs
   without a cached verdict), the verdict lookup (input signature + dict), the router linear, the plan lookup,
   the workspace arena, the output allocation, and every kernel launch of the layer's recorded trace, routing
@@ -17,7 +19,7 @@ Reported per path and per M:
 - GPU time per call (CUDA graph replay), to set host time against;
 - transformers' experts interface: the preset model's experts module called as its MoE block calls it
   (transformers' dispatcher, then fusedmoe), beside the bare ``fused_moe`` on the same inputs and the stages
-  between (fusedmoe's experts function without the dispatcher);
+  between (fusedmoe's experts function without the dispatcher), the three timed call by call in turns;
 - the batched layout (``FusedMoE(layout="batched")``) and, with gloo on the CPU, the expert-parallel layer of
   one rank.
 
@@ -63,6 +65,36 @@ def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200)
         samples.append((time.perf_counter() - t0) * 1e6)
     sync(device)
     return statistics.median(samples)
+
+
+def host_us_interleaved(
+    paths: dict[str, tuple[Callable[[], object], Callable[[], None] | None]],
+    device: torch.device,
+    *,
+    calls: int = 200,
+    block: int = 1,
+) -> dict[str, float]:
+    """Median host microseconds of one call of each path, the paths taking turns (A B C, A B C, ...) so that a slow
+    phase of the machine falls on all of them alike. ``paths``: name -> (``fn``, ``switch``); ``switch`` (or None)
+    runs, untimed, before each of the path's turns (e.g. a setting and the untimed call it makes redo), and a turn
+    is ``block`` timed calls, each issued after the device went idle. ``calls`` per path in all."""
+    for fn, switch in paths.values():
+        if switch is not None:
+            switch()
+        for _ in range(3):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(max(1, calls // block)):
+        for name, (fn, switch) in paths.items():
+            if switch is not None:
+                switch()
+            for _ in range(block):
+                sync(device)
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1e6)
+    sync(device)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def device_us(fn: Callable[[], object], device: torch.device) -> float | None:
@@ -150,7 +182,6 @@ def _interface_rows(row, preset: str, device, dtype, tokens, backend: str, calls
     hf.register()
     experts.config._experts_implementation = hf.EXPERTS_IMPLEMENTATION
     manager = hf.attach_workspace(experts, WorkspaceManager(device), backend)
-    h = lambda fn: host_us(fn, device, calls=calls)  # noqa: E731
     where = f"{type(experts).__name__}, E={E} H={H} I={I}"
     for M in tokens:
         x = torch.randn(M, H, generator=g, device=device, dtype=dtype)
@@ -159,16 +190,43 @@ def _interface_rows(row, preset: str, device, dtype, tokens, backend: str, calls
         weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
         module_call = lambda x=x, i=ids, w=weights: experts(x, i, w)  # noqa: E731
         calls_before = manager.stats.calls
-        row("experts interface (module call)", backend, M, h(module_call), device_us(module_call, device), where)
+        module_call()
         if manager.stats.calls == calls_before:
+            row("experts interface (module call)", backend, M, None, None, where)
             row("  (fusedmoe did not run)", backend, M, None, None, "the module fell back to transformers' code")
             continue
         bare = lambda x=x, i=ids, w=weights: fused_moe(x, w1, w2, w, i, workspace=manager, backend=backend)  # noqa: E731
-        row("fused_moe on the same inputs", backend, M, h(bare), device_us(bare, device), "as transformers passes them")
         fn = lambda x=x, i=ids, w=weights: hf.fusedmoe_experts_forward(experts, x, i, w)  # noqa: E731
-        row("  fusedmoe_experts_forward (no dispatcher)", backend, M, h(fn))
-        # the first path timed at a new M has read slow before (M = 64): timed again last, the order shows
-        row("experts interface (module call, timed again last)", backend, M, h(module_call))
+        # call by call in turns: the differences between the three are what this measures
+        us = host_us_interleaved({"module": (module_call, None), "bare": (bare, None), "fn": (fn, None)}, device,
+                                 calls=calls)  # fmt: skip
+        row("experts interface (module call)", backend, M, us["module"], device_us(module_call, device), where)
+        row(
+            "fused_moe on the same inputs",
+            backend,
+            M,
+            us["bare"],
+            device_us(bare, device),
+            "as transformers passes them",
+        )
+        row("  fusedmoe_experts_forward (no dispatcher)", backend, M, us["fn"])
+
+
+#: The two ways to a layer's router logits that ``bench host`` times: (row name, ROUTER_GEMM_MAX_M) with the routing
+#: launch computing them at every M measured, and with F.linear before it.
+_ROUTER_CHOICES = (("router GEMM in the routing launch", 1 << 30), ("logits by F.linear", -1))
+
+
+def _switch_router_gemm(layer: FusedMoE, most: int, call: Callable[[], object]) -> Callable[[], None]:
+    """What switches ``layer`` to ``ROUTER_GEMM_MAX_M = most`` between turns: the setting, the layer's cached
+    verdicts dropped (they hold the choice) and one untimed ``call`` that caches the new one."""
+
+    def switch():
+        routing_ops.ROUTER_GEMM_MAX_M = most
+        layer._verdicts.clear()
+        call()
+
+    return switch
 
 
 @contextlib.contextmanager
@@ -188,11 +246,17 @@ def _router_gemm_max_m(layer: FusedMoE, most: int):
 def _forward_rows(row, layer: FusedMoE, x: torch.Tensor, backend: str, M: int, device, calls) -> None:
     h = lambda fn: host_us(fn, device, calls=calls)  # noqa: E731
     forward = lambda: layer(x)  # noqa: E731
-    fwd = h(forward)
-    row("FusedMoE.forward", backend, M, fwd, device_us(forward, device))
-    for name, most in (("router GEMM in the routing launch", M), ("logits by F.linear", -1)):
+    # the default and both router-logit choices in turns of 20 calls (each turn switches ROUTER_GEMM_MAX_M and
+    # makes the checked call again, untimed); the default equals one of the two, which shows the run's noise
+    choices = {"FusedMoE.forward": routing_ops.ROUTER_GEMM_MAX_M}
+    choices.update({f"FusedMoE.forward ({name})": most for name, most in _ROUTER_CHOICES})
+    with _router_gemm_max_m(layer, routing_ops.ROUTER_GEMM_MAX_M):
+        paths = {name: (forward, _switch_router_gemm(layer, most, forward)) for name, most in choices.items()}
+        us = host_us_interleaved(paths, device, calls=calls, block=20)
+    for name, most in choices.items():
         with _router_gemm_max_m(layer, most):
-            row(f"FusedMoE.forward ({name})", backend, M, h(forward), device_us(forward, device))
+            row(name, backend, M, us[name], device_us(forward, device))
+    fwd = us["FusedMoE.forward"]
     row("FusedMoE.forward (generic launches)", backend, M, h(_without_replay(forward)))
     logits = F.linear(x, layer.gate)
     w, ids = layer.route(x, logits)
