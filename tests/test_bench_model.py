@@ -390,3 +390,27 @@ def test_step_profile_ranks_the_operators_by_their_own_cpu_time_on_a_cpu():
     assert len(p["top"]) == 2 and p["top"][0]["ms"] >= p["top"][1]["ms"]
     assert any(t["name"] in ("aten::mm", "aten::matmul") and t["calls"] == 8 for t in p["top"])
     assert p["wall_ms"] > 0 and p["device_ms"] is None
+
+
+def test_running_out_of_memory_while_profiling_keeps_the_timed_figures(monkeypatch):
+    """A profiled run that runs out of GPU memory records that under the row's ``profile``; the cell keeps its
+    timed medians (and so the other cells' ``vs best transformers``)."""
+    rounds = {"A": 0}
+
+    def use(model, impl, kept):
+        rounds[impl] = rounds.get(impl, 0) + 1
+        return lambda: None
+
+    def generate(model, ids, mask, new, compiled):
+        if rounds["A"] > 3:  # warm-up and two repeats done: the profiled round
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return _fake_generate(ids, new)
+
+    monkeypatch.setattr(model_bench, "_use", use)
+    monkeypatch.setattr(model_bench, "_generate", generate)
+    (row,) = model_bench.run(
+        _stand_in_model(), ["A"], [1], ["eager"], prompt=3, new=4, repeats=2, progress=_quiet, profile=True
+    )
+    assert row["decode_ms"] is not None and row["repeats"] == 2 and "error" not in row
+    assert row["profile"]["error"].startswith("out of memory")
+    assert any("profile: out of memory" in line for line in model_bench.notes([row]))

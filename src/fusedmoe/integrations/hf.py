@@ -747,8 +747,10 @@ class FusedMoEBlock(nn.Module):
     """What :func:`patch_model` adds to a transformers MoE block: a patched block's class is
     ``FusedMoEBlock`` + the original class (same object, same submodules and tensors, so the same state dict).
 
-    Its forward computes the router logits exactly as the original router does (running the router module
-    itself while a hook, e.g. ``output_router_logits``, records it, and whenever it trains), routes and runs
+    Its forward computes the router logits as the original router does (running the router module itself while
+    a hook, e.g. ``output_router_logits``, records it, and whenever it trains; otherwise from the router's own
+    weight, on CUDA up to ``ROUTER_GEMM_MAX_M`` rows inside the routing launch, whose float32 sums round to the
+    same dtype but may break a bf16 tie between two experts the other way in a rare row), routes and runs
     the routed experts in a :class:`fusedmoe.FusedMoE` layer (:attr:`moe`) that holds the block's own weight
     tensors, and adds the block's own shared experts. In training mode Mixtral's router jitter multiplies the
     block's input by noise drawn exactly as transformers draws it (out of place: the caller's tensor is not

@@ -356,12 +356,18 @@ def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, 
 
     def profiled(impl, watch):
         # where the time of a step goes (host- or device-bound, which kernels); the profiler's cost is not timed
-        untimed(impl, watch, "untimed")
-        with watch.during(impl, "profiled"):
-            samples[impl].profile = {
-                "prefill": step_profile(lambda: _generate(model, ids, mask, 1, compiled), device),
-                "whole": step_profile(lambda: _generate(model, ids, mask, new, compiled), device),
-            }
+        # a failure here (out of memory under the profiler) is the profile's, never the timed figures'
+        try:
+            untimed(impl, watch, "untimed")
+            with watch.during(impl, "profiled"):
+                samples[impl].profile = {
+                    "prefill": step_profile(lambda: _generate(model, ids, mask, 1, compiled), device),
+                    "whole": step_profile(lambda: _generate(model, ids, mask, new, compiled), device),
+                }
+        except torch.OutOfMemoryError as exc:
+            samples[impl].profile = {"error": f"out of memory: {str(exc).splitlines()[0][:120]}"}
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     with compile_watch.CompileWatch(compiled=compiled, on_cuda=device.type == "cuda") as watch:
         for impl in impls:
@@ -495,7 +501,11 @@ def notes(rows: list[dict]) -> list[str]:
             )
         if r.get("cudagraphs_recorded_while_timed"):
             lines.append(f"{cell}: {r['cudagraphs_recorded_while_timed']} CUDA graph(s) recorded while timed")
+        if (r.get("profile") or {}).get("error"):
+            lines.append(f"{cell} profile: {r['profile']['error']}")
         for phase, p in (r.get("profile") or {}).items():
+            if phase == "error":
+                continue
             busy = "" if p["device_ms"] is None else f", kernels {p['device_ms']:.1f} ms ({p['kernels']} launches)"
             top = "; ".join(f"{t['name'][:40]} {t['ms']:.2f} ms x{t['calls']}" for t in p["top"][:3])
             lines.append(f"{cell} profiled {phase}: {p['wall_ms']:.1f} ms{busy}; most: {top}")
