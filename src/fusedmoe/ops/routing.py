@@ -228,8 +228,8 @@ ROUTE_WARPS: int | None = None
 #: The most rows for which the routing launch also computes the router logits (:func:`router_gemm_applies`). One
 #: program per 16 rows reads the whole gate, so the launch takes ~4-6 us more GPU time than routing from given
 #: logits (one SM streams the gate where cuBLAS spreads it), and the layer saves ``F.linear``'s torch op and launch:
-#: ~20-30 us of host time per call at every M measured up to 256 (BENCHMARKS.md, "Host time per call"). An eager
-#: call at these sizes is bound by the host, so the fused GEMM is the default there; callers who capture eager
+#: ~20-30 us of host time per call at every M measured up to 256 (BENCHMARKS.md, "Host time per call"). A model
+#: run eagerly at these sizes is bound by the host, so the fused GEMM is the default there; callers who capture eager
 #: layers in their own CUDA graphs, where only GPU time counts, set ``FUSEDMOE_ROUTER_GEMM_MAX_M=0`` (read at
 #: import). The compiled path (the registered op) routes outside the kernel and is not affected.
 ROUTER_GEMM_MAX_M = _rows_from_env("FUSEDMOE_ROUTER_GEMM_MAX_M", 256)
