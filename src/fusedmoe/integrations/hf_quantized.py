@@ -37,8 +37,8 @@ _BIAS_CACHE_ATTR = "_fusedmoe_gate_then_up_bias"
 
 def _biases(experts: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The module's own bias parameters in fusedmoe's layout. gpt-oss's gate/up interleave is undone once and kept
-    (remade when the bias's storage, version, dtype or device changes), not by a torch op per call; while autograd
-    records and the bias requires grad, or while compiling, it is undone in the call's own ops."""
+    (remade when the bias's storage, version, dtype, device or shape changes), not by a torch op per call; while
+    autograd records and the bias requires grad, or while compiling, it is undone in the call's own ops."""
     if not getattr(experts, "has_bias", False):
         return None, None
     P = experts._parameters  # by dict: nn.Module's __getattr__ costs ~0.7 us a name per call

@@ -54,17 +54,8 @@ COLUMNS = ["path", "backend", "M", "host us/call", "device us/call", "note"]
 
 def host_us(fn: Callable[[], object], device: torch.device, *, calls: int = 200) -> float:
     """Median host microseconds of one call of ``fn``, each issued after the device went idle (so the launch
-    queue never pushes back, whatever the GPU time)."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(calls):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    sync(device)
-    return statistics.median(samples)
+    queue never pushes back, whatever the GPU time): :func:`host_us_interleaved` of one path."""
+    return host_us_interleaved({"fn": (fn, None)}, device, calls=calls)["fn"]
 
 
 def host_us_interleaved(
