@@ -14,10 +14,23 @@ from fusedmoe.tools.bench import compile_watch
 from fusedmoe.tools.bench import model as model_bench
 
 
+class _StandInModel:
+    """What the runner reads of a model: its vocabulary, its device, and a forward giving next-token logits."""
+
+    def __init__(self, vocab: int):
+        self.config = types.SimpleNamespace(vocab_size=vocab)
+
+    def parameters(self):
+        return iter([torch.zeros(1)])
+
+    def __call__(self, input_ids, attention_mask, logits_to_keep):
+        logits = torch.zeros(input_ids.shape[0], logits_to_keep, self.config.vocab_size)
+        logits[..., 1] = 1.0  # token 1, the one _fake_generate appends
+        return types.SimpleNamespace(logits=logits)
+
+
 def _stand_in_model(vocab: int = 50):
-    return types.SimpleNamespace(
-        config=types.SimpleNamespace(vocab_size=vocab), parameters=lambda: iter([torch.zeros(1)])
-    )
+    return _StandInModel(vocab)
 
 
 def _fake_generate(ids, new):
@@ -198,6 +211,30 @@ def test_the_compile_watch_counts_cuda_graph_replays_outside_the_timed_runs(monk
     assert torch.cuda.CUDAGraph.replay.__name__ == "<lambda>"  # the methods are back as they were
 
 
+def test_compare_logits_measures_the_difference_against_the_first_implementations_top_two_gap():
+    reference = torch.tensor([[3.0, 0.0, 2.9, 0.0], [0.0, 5.0, 0.0, 1.0]])
+    same = model_bench.compare_logits(reference.clone(), reference)
+    assert same["rel_diff"] == 0.0 and same["argmax_differs"] == 0 and same["rows"] == 2
+    row_gaps = torch.tensor([0.1 / reference[0].norm(), 4.0 / reference[1].norm()])
+    assert same["top2_gap"] == pytest.approx(float(row_gaps.median()), rel=1e-5)
+    flipped = reference.clone()
+    flipped[0, 2] += 0.2  # a near-tie in row 0 goes the other way; row 1 keeps its token
+    far = model_bench.compare_logits(flipped, reference)
+    assert far["argmax_differs"] == 1
+    assert far["rel_diff"] == pytest.approx(0.2 / float(reference.norm()))
+
+
+def test_notes_say_where_the_next_token_differs_and_how_far_the_logits_are():
+    row = {"impl": "fusedmoe", "mode": "eager", "batch": 8}
+    row["first_logits"] = {"rel_diff": 0.012, "top2_gap": 0.003, "argmax_differs": 2, "rows": 8}
+    assert model_bench.notes([row]) == [
+        "fusedmoe eager batch 8: next token differs in 2 of 8 rows; logits 1.2e-02 apart (relative), "
+        "the first implementation's top two 3.0e-03 apart (median)"
+    ]
+    row["first_logits"]["argmax_differs"] = 0
+    assert model_bench.notes([row]) == []
+
+
 # -- tiny transformers models (CPU, float32) ------------------------------------------------------------------------
 
 
@@ -225,6 +262,8 @@ def test_tiny_model_rows_in_both_modes_with_cudagraphs_na_on_cpu(tiny_qwen3):
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
         assert r["decode_ms_min"] <= r["decode_ms"] <= r["decode_ms_max"]
         assert r["agreement"] == 1.0  # float32: every implementation generates the same tokens
+        assert r["first_logits"]["argmax_differs"] == 0 and r["first_logits"]["rel_diff"] < 1e-4
+        assert r["first_logits"]["top2_gap"] > 0
         assert r["cudagraphs"] == ("n/a (CPU)" if r["mode"] == "compiled" else None)
         assert r["compiled_while_timed"] == 0
     assert not hf.patched_blocks(tiny_qwen3)  # switched back after fusedmoe-patch's last repeat

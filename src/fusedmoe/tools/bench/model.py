@@ -21,9 +21,14 @@ every repeat switches to each in turn (A B C D, A B C D, ...) and runs one untim
 ``(whole - prefill) / (new - 1)``. Per cell: the median, min and max over the repeats, ``vs best transformers``
 (this median over the fastest transformers implementation's median) and token agreement with the first
 implementation (random weights make near-ties common, so agreement below 100% after a few tokens is expected and
-reported, not hidden). Each row also gives its warm-up's seconds (in compiled mode, mostly compilation), counts
-the graphs torch compiled after the warm-up (0 unless a switch recompiles) and while timed, and, in compiled mode,
-says whether CUDA graphs covered the decode step (``cudagraphs``). ``--profile`` adds, after the repeats, one
+reported, not hidden). To tell a near-tie from a wrong layer, each cell also compares the next-token logits of its
+prompt (one untimed forward after the warm-up) with the first implementation's (``first_logits``): their relative
+difference (norm of the difference over the norm of the first's), and the first implementation's median gap between
+its top two logits in the same unit (over the norm of its logits row). A relative difference at bf16's rounding
+level (~1e-2) with gaps below it makes greedy tokens part ways without any layer being wrong. Each row also gives
+its warm-up's seconds (in compiled mode, mostly compilation), counts the graphs torch compiled after the warm-up
+(0 unless a switch recompiles) and while timed, and, in compiled mode, says whether CUDA graphs covered the decode
+step (``cudagraphs``). ``--profile`` adds, after the repeats, one
 prefill and one whole ``generate`` per cell under the torch profiler (untimed): the sum of the step's kernel times
 beside its wall time says whether the device or the host sets the pace, and the kernels (on a CPU, operators) that
 take the most time say where it goes.
@@ -284,6 +289,7 @@ class _Samples:
     prefill_ms: list[float] = field(default_factory=list)
     decode_ms: list[float] = field(default_factory=list)
     tokens: torch.Tensor | None = None
+    first_logits: torch.Tensor | None = None
     error: str | None = None
     profile: dict | None = None
 
@@ -340,6 +346,7 @@ def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, 
         start = clock()
         untimed(impl, watch, "warm-up")
         samples[impl].warm_up_s = clock() - start
+        samples[impl].first_logits = _next_token_logits(model, ids, mask)
         progress(f"{where}: {impl} warmed up in {samples[impl].warm_up_s:.1f} s")
 
     def timed(impl, watch):
@@ -380,11 +387,28 @@ def _run_cells(model, impls, mode, batch, prompt, new, repeats, kept, progress, 
         if profile:
             for impl in [i for i in impls if samples[i].error is None]:
                 _switched(model, impl, kept, samples[impl], lambda i=impl: profiled(i, watch), where, progress)
-    reference = next((s.tokens for s in samples.values() if s.tokens is not None), None)
+    first = next((s for s in samples.values() if s.tokens is not None), _Samples())
     return [
-        _row(impl, mode, batch, samples[impl], reference, watch.tallies.get(impl, compile_watch.Tally()), device)
+        _row(impl, mode, batch, samples[impl], first, watch.tallies.get(impl, compile_watch.Tally()), device)
         for impl in impls
     ]
+
+
+def _next_token_logits(model, ids, mask) -> torch.Tensor:
+    """float32 logits (batch, vocab) the model gives the token after ``ids``: one uncompiled forward, untimed."""
+    return model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1].float()
+
+
+def compare_logits(logits: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How far ``logits`` (batch, vocab) are from ``reference``'s and how close ``reference``'s top two are:
+    ``rel_diff`` = ||logits - reference|| / ||reference||; ``top2_gap`` = the median over rows of (top-1 minus
+    top-2 logit of ``reference``) / ||that reference row||, in the same unit per row as ``rel_diff``'s;
+    ``argmax_differs`` = rows whose greedy token differs."""
+    rel_diff = float((logits - reference).norm() / reference.norm().clamp_min(1e-30))
+    top2 = reference.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1]) / reference.norm(dim=-1).clamp_min(1e-30)
+    differs = int((logits.argmax(-1) != reference.argmax(-1)).sum())
+    return {"rel_diff": rel_diff, "top2_gap": float(gaps.median()), "argmax_differs": differs, "rows": len(gaps)}
 
 
 def _switched(model, impl, kept, samples: _Samples, body, where: str, progress) -> None:
@@ -404,16 +428,19 @@ def _switched(model, impl, kept, samples: _Samples, body, where: str, progress) 
             torch.cuda.empty_cache()
 
 
-def _row(impl, mode, batch, samples: _Samples, reference, tally: compile_watch.Tally, device) -> dict:
-    """The JSON row of one cell: medians (``prefill_ms``, ``decode_ms``) with their min and max, token agreement,
-    every repeat's figures, and what torch compiled and whether CUDA graphs ran (compiled mode)."""
+def _row(impl, mode, batch, samples: _Samples, first: _Samples, tally: compile_watch.Tally, device) -> dict:
+    """The JSON row of one cell: medians (``prefill_ms``, ``decode_ms``) with their min and max, token agreement and
+    next-token logits (:func:`compare_logits`, ``first_logits``) against ``first`` (the first implementation that
+    ran), every repeat's figures, and what torch compiled and whether CUDA graphs ran (compiled mode)."""
     if samples.error is not None or not samples.decode_ms:
         row = _failed_row(impl, mode, batch, samples.error or "no timed repeat")
     else:
         row = {"impl": impl, "mode": mode, "batch": batch}
         for key, values in (("prefill_ms", samples.prefill_ms), ("decode_ms", samples.decode_ms)):
             row[key], row[f"{key}_min"], row[f"{key}_max"] = statistics.median(values), min(values), max(values)
-        row["agreement"] = float((samples.tokens == reference).float().mean())
+        row["agreement"] = float((samples.tokens == first.tokens).float().mean())
+        if samples.first_logits is not None and first.first_logits is not None:
+            row["first_logits"] = compare_logits(samples.first_logits, first.first_logits)
     compiled = mode == "compiled"
     row.update(
         warm_up_s=samples.warm_up_s,
@@ -501,6 +528,12 @@ def notes(rows: list[dict]) -> list[str]:
             )
         if r.get("cudagraphs_recorded_while_timed"):
             lines.append(f"{cell}: {r['cudagraphs_recorded_while_timed']} CUDA graph(s) recorded while timed")
+        if r.get("first_logits", {}).get("argmax_differs"):
+            d = r["first_logits"]
+            lines.append(
+                f"{cell}: next token differs in {d['argmax_differs']} of {d['rows']} rows; logits {d['rel_diff']:.1e} "
+                f"apart (relative), the first implementation's top two {d['top2_gap']:.1e} apart (median)"
+            )
         if (r.get("profile") or {}).get("error"):
             lines.append(f"{cell} profile: {r['profile']['error']}")
         for phase, p in (r.get("profile") or {}).items():
