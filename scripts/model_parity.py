@@ -112,7 +112,8 @@ def report(result: dict, impls: list[str]) -> None:
     print("whole model, next-token logits: relative error, rows whose greedy token differs")
     for impl, d in result["whole"].items():
         print(
-            f"  {impl:16} {d['rel_diff']:.2e}  {d['argmax_differs']}/{d['rows']}  (float32 top-two gap {d['top2_gap']:.1e})"
+            f"  {impl:16} {d['rel_diff']:.2e}  {d['argmax_differs']}/{d['rows']}"
+            f"  (float32 top-two gap {d['top2_gap']:.1e})"
         )
     print("per MoE block on the bf16 grouped_mm model's input: relative error vs the float32 block; routing flips")
     print("  layer  flips " + " ".join(f"{i:>16}" for i in impls))
