@@ -255,6 +255,19 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in _named_experts(model)]
 
 
+_REQUIRED = object()
+
+
+def _param(module: nn.Module, name: str, default=_REQUIRED):
+    """``module.<name>``: a parameter read from the module's dict (nn.Module's ``__getattr__`` costs ~0.7 us a name
+    per call), anything else (a buffer, a plain attribute) through ``getattr``, which returns ``default`` where one
+    is given and the module has no such name, and raises AttributeError otherwise."""
+    p = module._parameters.get(name)
+    if p is not None:
+        return p
+    return getattr(module, name) if default is _REQUIRED else getattr(module, name, default)
+
+
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
@@ -282,13 +295,10 @@ def _layer_weights(experts: nn.Module):
     as is while compiling). The copy is for inference: a forward that trains gpt-oss's experts computes with
     :func:`_expert_weights`."""
     if not getattr(experts, "is_transposed", False):
-        b1 = getattr(experts, "gate_up_proj_bias", None) if getattr(experts, "has_bias", False) else None
-        b2 = getattr(experts, "down_proj_bias", None) if getattr(experts, "has_bias", False) else None
-        # the parameters by dict (nn.Module's __getattr__ costs ~0.7 us a name per call)
-        w1, w2 = experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj")
-        if w1 is None or w2 is None:
-            w1, w2 = experts.gate_up_proj, experts.down_proj
-        return w1, w2, b1, b2
+        has_bias = getattr(experts, "has_bias", False)
+        b1 = _param(experts, "gate_up_proj_bias", None) if has_bias else None
+        b2 = _param(experts, "down_proj_bias", None) if has_bias else None
+        return _param(experts, "gate_up_proj"), _param(experts, "down_proj"), b1, b2
     params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
     cached = experts.__dict__.get(_CACHE_ATTR)
     if torch.compiler.is_compiling():
@@ -488,10 +498,9 @@ _FP8_SETTINGS += ("swiglu_alpha", "swiglu_limit", "limit", "limit_after_act")
 
 
 def _fp8_tensors(experts: nn.Module) -> tuple[torch.Tensor, ...]:
-    """(gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv) of an ``FP8Experts`` module, read
-    from its parameter dict where they are parameters (nn.Module's __getattr__ costs ~0.7 us a name)."""
-    P = experts._parameters
-    return tuple(P[n] if n in P else getattr(experts, n) for n in _FP8_TENSORS)
+    """(gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv) of an ``FP8Experts`` module
+    (:func:`_param`)."""
+    return tuple(_param(experts, n) for n in _FP8_TENSORS)
 
 
 def _fp8_verdict(
@@ -575,12 +584,6 @@ def _router_of(block: nn.Module, model_type: str) -> nn.Module:
     name = "router" if model_type == "gpt_oss" else "gate"
     router = block._modules.get(name)  # by dict: nn.Module's __getattr__ costs ~0.7 us a name per call
     return router if router is not None else getattr(block, name)
-
-
-def _param(module: nn.Module, name: str):
-    """``module.<name>`` for a parameter, by dict (nn.Module's ``__getattr__`` costs ~0.7 us a name per call)."""
-    p = module._parameters.get(name)
-    return p if p is not None else getattr(module, name, None)
 
 
 def _experts_implementation_of(experts: nn.Module):
@@ -731,7 +734,7 @@ def _in_sync(block: nn.Module, patch: _Patch, layer: FusedMoE) -> bool:
     P = layer._parameters
     if patch.model_type == "gpt_oss":
         w = _layer_weights(experts)
-        if P["w1"] is not w[0] or P["gate_bias"] is not _param(router, "bias"):
+        if P["w1"] is not w[0] or P["gate_bias"] is not _param(router, "bias", None):
             return False
     elif P["w1"] is not _param(experts, "gate_up_proj") or P["w2"] is not _param(experts, "down_proj"):
         return False
