@@ -238,6 +238,20 @@ def test_notes_say_where_the_next_token_differs_and_how_far_the_logits_are():
 # -- tiny transformers models (CPU, float32) ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("preset", sorted(model_bench.MODELS))
+def test_every_preset_builds_tiny_generates_and_gives_next_token_logits(preset):
+    pytest.importorskip("transformers")
+    model = model_bench.build(preset, tiny=True, device="cpu", dtype=torch.float32)
+    ids = torch.randint(1, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        out = model_bench._generate(model, ids, mask, 2, compiled=False)
+        logits = model_bench._next_token_logits(model, ids, mask)
+    assert out.shape == (2, 7)
+    assert logits.shape == (2, model.config.vocab_size) and logits.dtype == torch.float32
+    assert torch.equal(out[:, 5], logits.argmax(-1))  # the first greedy token is the argmax of these logits
+
+
 @pytest.fixture
 def tiny_qwen3():
     """A tiny Qwen3-MoE, run on one intra-op thread (more only add contention at this size: many times slower on

@@ -198,7 +198,10 @@ def build(preset: str, *, tiny: bool = False, layers: int | None = None, device=
     cls_name, kwargs = MODELS[preset]
     kwargs = dict(kwargs)
     if tiny:
+        multi_head = kwargs.get("num_key_value_heads") == kwargs.get("num_attention_heads")  # DeepSeek's MLA
         kwargs.update({k: v for k, v in TINY.items() if k in kwargs or k in ("head_dim",)})
+        if multi_head:
+            kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
         if "moe_intermediate_size" in kwargs:
             kwargs["intermediate_size"] = TINY["intermediate_size"]
         elif cls_name in ("MixtralConfig", "OlmoeConfig", "GptOssConfig"):
