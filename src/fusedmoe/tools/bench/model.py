@@ -28,10 +28,9 @@ its top two logits in the same unit (over the norm of its logits row). A relativ
 level (~1e-2) with gaps below it makes greedy tokens part ways without any layer being wrong. Each row also gives
 its warm-up's seconds (in compiled mode, mostly compilation), counts the graphs torch compiled after the warm-up
 (0 unless a switch recompiles) and while timed, and, in compiled mode, says whether CUDA graphs covered the decode
-step (``cudagraphs``). ``--profile`` adds, after the repeats, one
-prefill and one whole ``generate`` per cell under the torch profiler (untimed): the sum of the step's kernel times
-beside its wall time says whether the device or the host sets the pace, and the kernels (on a CPU, operators) that
-take the most time say where it goes.
+step (``cudagraphs``). ``--profile`` adds, after the repeats, one prefill and one whole ``generate`` per cell under
+the torch profiler (untimed): the sum of the step's kernel times beside its wall time says whether the device or the
+host sets the pace, and the kernels (on a CPU, operators) that take the most time say where it goes.
 
 One compiled forward keeps each implementation's graphs: transformers reads the experts implementation from the
 config at call time and dynamo guards on it (the recompile limit is raised to hold every implementation's graphs),
