@@ -61,8 +61,17 @@ def _block_inputs(model, ids) -> list[torch.Tensor]:
 
 
 def run(preset: str, layers: int, impls: list[str], batch: int, prompt: int, tiny: bool, device: str) -> dict:
+    """Build ``preset`` (``layers`` deep; ``tiny``: the bench's tiny dimensions) in float32 with transformers'
+    ``grouped_mm`` experts, and a bf16 copy of the same weights; measure each implementation of ``impls`` (names
+    of ``bench model``) on ``batch`` random prompts of ``prompt`` tokens. Returns ``whole`` (per implementation,
+    :func:`~fusedmoe.tools.bench.model.compare_logits` of its bf16 next-token logits against the float32 model's)
+    and ``per_layer`` (per MoE block: the relative error of each implementation's bf16 block against the float32
+    block on the bf16 ``grouped_mm`` model's input, and ``routing_flips``, the tokens whose plain top-k of the
+    router logits differs between bf16 and float32; for DeepSeek's grouped, bias-corrected routing this count is an
+    approximation)."""
     torch.manual_seed(0)
     truth_model = model_bench.build(preset, tiny=tiny, layers=layers, device=device, dtype=torch.float32)
+    truth_model.set_experts_implementation("grouped_mm")
     model = copy.deepcopy(truth_model).to(torch.bfloat16)
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=g).to(device)
