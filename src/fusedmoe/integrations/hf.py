@@ -295,10 +295,13 @@ def _layer_weights(experts: nn.Module):
     as is while compiling). The copy is for inference: a forward that trains gpt-oss's experts computes with
     :func:`_expert_weights`."""
     if not getattr(experts, "is_transposed", False):
-        has_bias = getattr(experts, "has_bias", False)
-        b1 = _param(experts, "gate_up_proj_bias", None) if has_bias else None
-        b2 = _param(experts, "down_proj_bias", None) if has_bias else None
-        return _param(experts, "gate_up_proj"), _param(experts, "down_proj"), b1, b2
+        P = experts._parameters  # inline rather than _param: this runs on every call
+        w1, w2 = P.get("gate_up_proj"), P.get("down_proj")
+        if w1 is None or w2 is None:
+            w1, w2 = _param(experts, "gate_up_proj"), _param(experts, "down_proj")
+        if not getattr(experts, "has_bias", False):
+            return w1, w2, None, None
+        return w1, w2, _param(experts, "gate_up_proj_bias", None), _param(experts, "down_proj_bias", None)
     params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
     cached = experts.__dict__.get(_CACHE_ATTR)
     if torch.compiler.is_compiling():
@@ -500,7 +503,8 @@ _FP8_SETTINGS += ("swiglu_alpha", "swiglu_limit", "limit", "limit_after_act")
 def _fp8_tensors(experts: nn.Module) -> tuple[torch.Tensor, ...]:
     """(gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv) of an ``FP8Experts`` module
     (:func:`_param`)."""
-    return tuple(_param(experts, n) for n in _FP8_TENSORS)
+    P = experts._parameters  # inline rather than _param: this runs on every call
+    return tuple(P[n] if n in P else _param(experts, n) for n in _FP8_TENSORS)
 
 
 def _fp8_verdict(
