@@ -2,29 +2,18 @@
 model of the same weights, whole and block by block, and fusedmoe's blocks are no farther from float32 than
 transformers' own."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from script_module import load_script
 
 pytest.importorskip("transformers")
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "model_parity.py")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("model_parity_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "mixtral-8x7b"])
 def test_each_block_of_each_implementation_is_measured_against_float32(preset):
     from fusedmoe.integrations import hf
 
-    parity = _load_script()
+    parity = load_script("model_parity.py")
     hf.register()
     impls = ["grouped_mm", "fusedmoe", "fusedmoe-patch"]
     threads = torch.get_num_threads()

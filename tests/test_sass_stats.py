@@ -2,22 +2,15 @@
 as the H200 runs it: software-pipelined (asynchronous global-to-shared copies) with wgmma tensor-core ops, and the
 MXFP4 kernel through Triton's e2m1 upcast."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from script_module import load_script
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "sass_stats.py")
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("sass_stats_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 #: fp8 GEMM1 tiles: 16 token rows (weights first), 64 rows (tokens first), 64 rows quantizing the output
@@ -66,7 +59,7 @@ def test_opcode_counts_read_predicated_instructions():
     sass += "        /*0050*/              @!P0 LDGSTS.E.BYPASS.128 [R3], desc[UR6][R4.64] ;\n"
     sass += "        /*0060*/              @P1 BRA 0x80 ;\n"
     sass += "        /*0070*/                   @UP0 EXIT ;\n"
-    assert _load_script().opcode_counts(sass) == {"HGMMA": 1, "LDGSTS": 1, "BRA": 1, "EXIT": 1}
+    assert load_script("sass_stats.py").opcode_counts(sass) == {"HGMMA": 1, "LDGSTS": 1, "BRA": 1, "EXIT": 1}
 
 
 @pytest.mark.parametrize("variant", FP8_VARIANTS)
