@@ -20,6 +20,7 @@ Usage: PYTHONPATH=src python3 scripts/model_parity.py --preset gpt-oss-20b --lay
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 
@@ -45,6 +46,16 @@ def _top_k_sets(block, x: torch.Tensor, k: int) -> torch.Tensor:
     router = next(getattr(block, r) for r in ROUTERS if hasattr(block, r))
     logits = torch.nn.functional.linear(x, router.weight, getattr(router, "bias", None))
     return logits.float().topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+@contextlib.contextmanager
+def _switched_to(model, impl: str, kept: dict):
+    """``model`` running ``impl`` (a ``bench model`` implementation) inside the block, switched back after it."""
+    undo = model_bench._use(model, impl, kept)
+    try:
+        yield
+    finally:
+        undo()
 
 
 def _block_inputs(model, ids) -> list[torch.Tensor]:
@@ -82,18 +93,11 @@ def run(preset: str, layers: int, impls: list[str], batch: int, prompt: int, tin
     kept: dict = {}
     whole = {}
     for impl in impls:
-        undo = model_bench._use(model, impl, kept)
-        try:
-            with torch.inference_mode():
-                logits = model_bench._next_token_logits(model, ids, mask)
-        finally:
-            undo()
+        with _switched_to(model, impl, kept), torch.inference_mode():
+            logits = model_bench._next_token_logits(model, ids, mask)
         whole[impl] = model_bench.compare_logits(logits, truth)
-    undo = model_bench._use(model, "grouped_mm", kept)
-    try:
+    with _switched_to(model, "grouped_mm", kept):
         inputs = _block_inputs(model, ids)
-    finally:
-        undo()
     per_layer = []
     for i, (block, truth_block, x) in enumerate(zip(_blocks(model), _blocks(truth_model), inputs)):
         flat = x.reshape(-1, x.shape[-1])
@@ -102,12 +106,8 @@ def run(preset: str, layers: int, impls: list[str], batch: int, prompt: int, tin
             flips = int((_top_k_sets(block, flat, k) != _top_k_sets(truth_block, flat.float(), k)).any(-1).sum())
         row = {"layer": i, "tokens": flat.shape[0], "routing_flips": flips}
         for impl in impls:
-            undo = model_bench._use(model, impl, kept)
-            try:
-                with torch.inference_mode():
-                    row[impl] = relative_error(_first(_blocks(model)[i](x)), want)
-            finally:
-                undo()
+            with _switched_to(model, impl, kept), torch.inference_mode():
+                row[impl] = relative_error(_first(_blocks(model)[i](x)), want)
         per_layer.append(row)
     return {"preset": preset, "layers": layers, "batch": batch, "prompt": prompt, "tiny": tiny, "whole": whole,
             "per_layer": per_layer}  # fmt: skip
